@@ -1,0 +1,514 @@
+"""rayzero ZeRO stages 0-3 against torch DDP, FSDP2 and DeepSpeed on the same work, on 2 CPU ranks.
+
+    python bench/bench_zero.py                  # full run (a few minutes on 2 cores)
+    python bench/bench_zero.py --quick          # tiny model, 3 steps: every code path in seconds
+    python bench/bench_zero.py --json out.json  # also write the results as JSON
+
+Every system runs in its own fresh spawn of ``--world`` processes (gloo on 127.0.0.1, one torch thread per
+rank), so peak RSS is per system.  Each rank builds the same model from the same seed and trains on its own
+slice of the same random global batches: forward, MSE loss, backward, gradient clipping at 1.0, AdamW.
+A single process doing one rank's share of the work without any communication gives the compute-only
+baseline; a process that only imported torch gives the runtime baseline for memory.  See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import socket
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+MIB = 1024 * 1024
+
+# ---------------------------------------------------------------------------------------------------------
+# Workload
+# ---------------------------------------------------------------------------------------------------------
+
+
+def build_model(dim: int, hidden: int, blocks: int, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim))
+            for _ in range(blocks)
+        ]
+    )
+
+
+def param_count(dim: int, hidden: int, blocks: int) -> int:
+    return blocks * (dim * hidden + hidden + hidden * dim + dim)
+
+
+def make_batches(n: int, world: int, micro: int, dim: int, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` global batches of ``world * micro`` samples; rank r trains on rows [r*micro, (r+1)*micro)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(world * micro, dim, generator=g), torch.randn(world * micro, dim, generator=g)) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory probes (Linux /proc)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def rss_mib() -> float:
+    return _status_kib("VmRSS") / 1024
+
+
+def hwm_mib() -> float:
+    return _status_kib("VmHWM") / 1024
+
+
+def reset_hwm() -> bool:
+    """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``); False where not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Systems: each returns ``step(x, y) -> (loss, grad_norm)`` for one training step on this rank
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _float(t) -> float:
+    if hasattr(t, "full_tensor"):  # a DTensor (FSDP2 grad norm)
+        t = t.full_tensor()
+    return float(t)
+
+
+def _plain_step(model, opt, clip):
+    mse = torch.nn.functional.mse_loss
+
+    def step(x, y):
+        loss = mse(model(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach(), norm
+
+    return step
+
+
+def setup_compute_only(model, a, world):
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    return _plain_step(model, opt, a.clip), lambda: None
+
+
+def setup_ddp(model, a, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, bucket_cap_mb=a.bucket_elements * 4 / MIB)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=a.lr)
+    return _plain_step(ddp, opt, a.clip), lambda: None
+
+
+def setup_fsdp2(model, a, world, reshard_after_forward: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    return _plain_step(model, opt, a.clip), lambda: None
+
+
+def zero_config(a, world: int, stage: int) -> dict:
+    return {
+        "train_batch_size": a.micro * world,
+        "train_micro_batch_size_per_gpu": a.micro,
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": a.bucket_elements,
+            "allgather_bucket_size": a.bucket_elements,
+            "stage3_param_persistence_threshold": a.persistence_threshold,
+            "overlap_comm": True,
+        },
+        "optimizer": {"type": "AdamW", "params": {"lr": a.lr}},
+        "gradient_clipping": a.clip,
+    }
+
+
+def setup_rayzero(model, a, world, stage: int):
+    import rayzero
+
+    engine = rayzero.initialize(model, zero_config(a, world, stage))
+    mse = torch.nn.functional.mse_loss
+
+    def step(x, y):
+        loss = mse(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach(), engine.global_grad_norm
+
+    return step, engine.destroy
+
+
+def setup_deepspeed(model, a, world, stage: int):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # noqa: F401  (absent: the caller reports "not installed")
+
+    cfg = zero_config(a, world, stage)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    mse = torch.nn.functional.mse_loss
+
+    def step(x, y):
+        loss = mse(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach(), engine.get_global_grad_norm()
+
+    return step, lambda: None
+
+
+def deepspeed_available() -> tuple[bool, str]:
+    try:
+        import deepspeed  # noqa: F401
+
+        return True, ""
+    except ImportError:
+        return False, "not installed"
+    except Exception as e:  # installed but broken
+        return False, f"import failed: {type(e).__name__}: {e}"
+
+
+# name, kind, world (None: --world), options, ZeRO stage whose model-state figure applies (None: 16/W, full shard)
+def system_specs(world: int) -> list[dict]:
+    specs = [dict(name="compute-only (1 proc, no comm)", kind="compute", world=1, theory_stage=0)]
+    specs.append(dict(name="torch DDP", kind="ddp", world=world, theory_stage=0))
+    for s in range(4):
+        specs.append(dict(name=f"rayzero stage {s}", kind="rayzero", world=world, stage=s, theory_stage=s))
+    for raf in (False, True):
+        specs.append(
+            dict(name=f"FSDP2 reshard_after_forward={raf}", kind="fsdp2", world=world, raf=raf, theory_stage=3)
+        )
+    for s in (1, 2, 3):
+        specs.append(dict(name=f"DeepSpeed stage {s}", kind="deepspeed", world=world, stage=s, theory_stage=s))
+    return specs
+
+
+def setup_system(spec, model, a, world):
+    kind = spec["kind"]
+    if kind == "compute":
+        return setup_compute_only(model, a, world)
+    if kind == "ddp":
+        return setup_ddp(model, a, world)
+    if kind == "fsdp2":
+        return setup_fsdp2(model, a, world, spec["raf"])
+    if kind == "rayzero":
+        return setup_rayzero(model, a, world, spec["stage"])
+    if kind == "deepspeed":
+        return setup_deepspeed(model, a, world, spec["stage"])
+    raise ValueError(kind)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One rank of one system
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespace, queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        out: dict = {"rank": rank}
+        out["hwm_reset_ok"] = reset_hwm()  # drop whatever the interpreter start-up touched beyond the runtime
+        out["rss_start_mib"] = rss_mib()
+        if spec["kind"] != "compute":
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        model = build_model(a.dim, a.hidden, a.blocks)
+        step, destroy = setup_system(spec, model, a, world)
+        out["rss_after_setup_mib"] = rss_mib()
+
+        data = make_batches(a.warmup + a.steps, a.data_world, a.micro, a.dim)
+        lo, hi = rank * a.micro, (rank + 1) * a.micro
+        losses, norms, times = [], [], []
+        for i, (x, y) in enumerate(data):
+            if i == a.warmup:
+                if dist.is_initialized():
+                    dist.barrier()
+                out["hwm_setup_warmup_mib"] = hwm_mib()
+                out["rss_before_timed_mib"] = rss_mib()
+                reset_hwm()  # from here VmHWM is the peak of the timed steps alone
+            t0 = time.perf_counter()
+            loss, norm = step(x[lo:hi], y[lo:hi])
+            dt = time.perf_counter() - t0
+            losses.append(float(loss))
+            norms.append(_float(norm) if norm is not None else float("nan"))
+            if i >= a.warmup:
+                times.append(dt)
+        out["hwm_timed_mib"] = hwm_mib()
+        out["peak_rss_mib"] = max(out["hwm_setup_warmup_mib"], out["hwm_timed_mib"])
+        out["step_s"] = times
+        out["median_step_ms"] = statistics.median(times) * 1000
+        if dist.is_initialized():  # the loss of the whole global batch (mean over ranks), for cross-checks
+            t = torch.tensor(losses, dtype=torch.float64)
+            dist.all_reduce(t)
+            losses = (t / world).tolist()
+        out["losses"] = losses
+        out["grad_norms"] = norms
+        destroy()
+        queue.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _baseline_main(queue) -> None:
+    """A process that imported torch (this module) and built nothing: the runtime floor of every rank.
+
+    Also reports the floor after one tiny training step: the first ``optimizer.step()`` pulls in more of
+    torch (``torch._dynamo`` among others), which every system below pays as well.
+    """
+    torch.set_num_threads(1)
+    out = {"rss_mib": rss_mib(), "hwm_mib": hwm_mib()}
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    out["after_tiny_step_hwm_mib"] = hwm_mib()
+    queue.put((0, "ok", pickle.dumps(out)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(target, args_of_rank, world: int, timeout: float) -> tuple[list | None, str | None]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args_of_rank(r), queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, error = {}, None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and error is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                error = f"timed out after {timeout:.0f} s"
+                break
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 5.0))
+            except Exception:  # queue.Empty: check that nobody died silently (killed for memory, ...)
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    error = f"a rank exited with code {dead[0].exitcode} without reporting"
+                continue
+            if status == "ok":
+                results[rank] = pickle.loads(payload)
+            else:
+                error = f"rank {rank} failed:\n{payload}"
+    finally:
+        for p in procs:
+            p.join(timeout=10 if error is None else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if error is not None:
+        return None, error
+    return [results[r] for r in range(world)], None
+
+
+def run_system(spec: dict, a: argparse.Namespace) -> dict:
+    world = spec["world"]
+    res = {k: v for k, v in spec.items()}
+    if spec["kind"] == "deepspeed":
+        ok, why = deepspeed_available()
+        if not ok:
+            res.update(status="skipped", error=why)
+            return res
+    port = _free_port()
+    t0 = time.perf_counter()
+    ranks, error = _spawn(_rank_main, lambda r: (r, world, port, spec, a), world, a.timeout)
+    res["wall_s"] = time.perf_counter() - t0
+    if error is not None:
+        res.update(status="error", error=error)
+        return res
+    res.update(
+        status="ok",
+        ranks=ranks,
+        median_step_ms=max(r["median_step_ms"] for r in ranks),  # the slowest rank sets the pace
+        peak_rss_mib=max(r["peak_rss_mib"] for r in ranks),
+        timed_peak_rss_mib=max(r["hwm_timed_mib"] for r in ranks),
+        losses=ranks[0]["losses"],
+        grad_norms=ranks[0]["grad_norms"],
+    )
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Theory and report
+# ---------------------------------------------------------------------------------------------------------
+
+
+def theory_bytes_per_param(stage: int | None, world: int) -> float:
+    """ZeRO paper figure for fp32 AdamW: weights 4 + grads 4 + Adam moments 8 bytes per parameter."""
+    w = world
+    return {0: 16.0, 1: 4 + 4 + 8 / w, 2: 4 + (4 + 8) / w, 3: 16 / w}[stage]
+
+
+def _short_error(msg: str) -> str:
+    lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
+    last = lines[-1] if lines else msg
+    return (last[:140] + "...") if len(last) > 140 else last
+
+
+def render(results: list[dict], meta: dict) -> str:
+    ddp = next((r for r in results if r["kind"] == "ddp" and r["status"] == "ok"), None)
+    comp = next((r for r in results if r["kind"] == "compute" and r["status"] == "ok"), None)
+    base = meta["baseline_rss_mib"]
+    lines = [
+        f"Workload: {meta['blocks']} x [Linear({meta['dim']},{meta['hidden']}) -> GELU -> "
+        f"Linear({meta['hidden']},{meta['dim']})] = {meta['params']:,} params, fp32, AdamW lr {meta['lr']}, "
+        f"clip {meta['clip']}, micro-batch {meta['micro']}/rank, world {meta['world']} (gloo, 1 thread/rank), "
+        f"{meta['warmup']} warm-up + {meta['steps']} timed steps, buckets {meta['bucket_elements']:,} elements.",
+        f"Runtime baseline (process that imported torch, built nothing): {base:.0f} MiB RSS; after one tiny "
+        f"forward/backward/AdamW step (lazy imports such as torch._dynamo): {meta['baseline_after_tiny_step_mib']:.0f} MiB.",
+        "",
+        "| system | step ms | x compute-only | x DDP | peak RSS MiB | timed-steps peak MiB | theory MiB (+ baseline) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        w = r["world"]
+        theory = theory_bytes_per_param(r["theory_stage"], w) * meta["params"] / MIB
+        fmt = ".0f" if theory >= 10 else ".2f"
+        theory_s = f"{theory:{fmt}} (+{base:.0f} = {theory + base:{fmt}})"
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['status']}: {_short_error(r['error'])} | | | | | {theory_s} |")
+            continue
+        ms = r["median_step_ms"]
+        xc = f"{ms / comp['median_step_ms']:.2f}" if comp else "n/a"
+        xd = f"{ms / ddp['median_step_ms']:.2f}" if ddp else "n/a"
+        lines.append(
+            f"| {r['name']} | {ms:.1f} | {xc} | {xd} | {r['peak_rss_mib']:.0f} | {r['timed_peak_rss_mib']:.0f} | {theory_s} |"
+        )
+    lines += [
+        "",
+        "step ms: median over timed steps per rank, slowest rank. peak RSS: VmHWM of the rank over set-up, "
+        "warm-up and timed steps (max over ranks); timed-steps peak: VmHWM reset after warm-up. theory: ZeRO "
+        "model states (fp32 weights 4 + grads 4 + AdamW 8 bytes/param; stage 1: 4+4+8/W, stage 2: 4+(4+8)/W, "
+        "stage 3 and FSDP2: 16/W; DDP and compute-only: 16). Activations, communication buffers and the "
+        "runtime baseline come on top.",
+        "",
+        "Cross-check (loss of the global batch, grad norm as the system reports it):",
+        "",
+        "| system | loss step 1 | loss last | grad norm step 1 | grad norm last |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if r["status"] != "ok":
+            continue
+        lines.append(
+            f"| {r['name']} | {r['losses'][0]:.6f} | {r['losses'][-1]:.6f} | {r['grad_norms'][0]:.6f} | "
+            f"{r['grad_norms'][-1]:.6f} |"
+        )
+    lines.append("")
+    lines.append("compute-only trains on rank 0's half of each global batch, so its losses differ from the others.")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=None, help="timed steps per system (default 10; --quick: 3)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per system (default 3; --quick: 1)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 3 steps: a smoke test of every code path")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    p.add_argument("--world", type=int, default=2, help="ranks per distributed system (default 2)")
+    p.add_argument("--only", default=None, help="comma-separated substrings: run only systems whose name matches")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per system before it is reported as hung")
+    p.add_argument("--bucket-elements", type=int, default=None,
+                   help="reduce/all-gather bucket size in elements for rayzero and DeepSpeed, and DDP's "
+                        "bucket_cap_mb (x4 bytes); default 6,553,600 = DDP's 25 MiB")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.dim, a.hidden, a.blocks = 32, 128, 2
+        a.steps = 3 if a.steps is None else a.steps
+        a.warmup = 1 if a.warmup is None else a.warmup
+        a.bucket_elements = a.bucket_elements or 3000  # several buckets; each weight (4096) is bigger than one
+        a.persistence_threshold = 64  # weights gathered, small biases persistent: both stage-3 paths run
+        a.timeout = a.timeout or 120.0
+    else:
+        a.dim, a.hidden, a.blocks = 1024, 4096, 4
+        a.steps = 10 if a.steps is None else a.steps
+        a.warmup = 3 if a.warmup is None else a.warmup
+        a.bucket_elements = a.bucket_elements or 25 * MIB // 4
+        a.persistence_threshold = 100_000  # rayzero/DeepSpeed default: biases stay whole, weights shard
+        a.timeout = a.timeout or 600.0
+    if a.steps < 1 or a.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    a.micro, a.lr, a.clip = 8, 1e-4, 1.0
+    a.data_world = a.world  # the compute-only run reads rank 0's slice of the same global batches
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    meta = dict(
+        dim=a.dim, hidden=a.hidden, blocks=a.blocks, params=param_count(a.dim, a.hidden, a.blocks), lr=a.lr,
+        clip=a.clip, micro=a.micro, world=a.world, warmup=a.warmup, steps=a.steps, quick=a.quick,
+        bucket_elements=a.bucket_elements, persistence_threshold=a.persistence_threshold,
+        torch=torch.__version__, python=sys.version.split()[0], cpus=os.cpu_count(),
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+    )
+    base, err = _spawn(_baseline_main, lambda r: (), 1, 60.0)
+    meta["baseline_rss_mib"] = base[0]["hwm_mib"] if base else float("nan")
+    meta["baseline_after_tiny_step_mib"] = base[0]["after_tiny_step_hwm_mib"] if base else float("nan")
+    if err:
+        print(f"runtime baseline probe failed: {err}", file=sys.stderr)
+
+    specs = system_specs(a.world)
+    if a.only:
+        keys = [k.strip().lower() for k in a.only.split(",") if k.strip()]
+        specs = [s for s in specs if any(k in s["name"].lower() for k in keys)]
+    results = []
+    for spec in specs:
+        print(f"[bench] {spec['name']} ...", file=sys.stderr, flush=True)
+        r = run_system(spec, a)
+        msg = f"{r['median_step_ms']:.1f} ms/step, peak {r['peak_rss_mib']:.0f} MiB" if r["status"] == "ok" else (
+            f"{r['status']}: {_short_error(r['error'])}")
+        print(f"[bench]   {msg}", file=sys.stderr, flush=True)
+        if r["status"] == "error":
+            print(r["error"], file=sys.stderr, flush=True)
+        results.append(r)
+
+    print(render(results, meta))
+    if a.json:
+        for r in results:
+            r["theory_mib"] = theory_bytes_per_param(r["theory_stage"], r["world"]) * meta["params"] / MIB
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
+        print(f"\nJSON written to {a.json}")
+    return 0 if all(r["status"] in ("ok", "skipped") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

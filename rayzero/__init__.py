@@ -1,0 +1,16 @@
+"""rayzero: elastic distributed training for PyTorch on Ray, with ZeRO stages 0-3."""
+
+from rayzero.config import Config, ConfigError, NotSupportedYetError
+from rayzero.engine import Engine, NonFiniteGradientError, initialize
+from rayzero.zero.init import zero_init
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "Engine",
+    "NonFiniteGradientError",
+    "NotSupportedYetError",
+    "initialize",
+    "zero_init",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,212 @@
+"""The only place in rayzero that calls ``torch.distributed`` collectives.
+
+Everything above this module speaks in three operations on ``(world, cols)`` row buffers:
+
+* ``reduce_scatter(out, rows)``: ``out = sum over ranks of rows[my_rank]`` (each rank's contribution to
+  row ``j`` is reduced on rank ``j``),
+* ``all_gather(rows, mine)``: ``rows[j] = mine`` of rank ``j``,
+* ``all_reduce(tensor)``.
+
+A *transport* implements them.  Two ship:
+
+* :class:`NativeTransport` calls torch's own collectives (what NCCL does best).
+* :class:`PairwiseTransport` builds reduce-scatter and all-gather from point-to-point sends, one to each
+  peer.  On gloo this moves the same bytes as the native ops at roughly twice to four times their speed
+  (gloo's reduce-scatter and all-gather are implemented on top of slower primitives), and it reduces in
+  a fixed rank order, which makes the result bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Handle:
+    """An in-flight collective.  ``wait()`` completes it (and runs any local finishing work) exactly once."""
+
+    __slots__ = ("_works", "_finish", "_done")
+
+    def __init__(self, works: list, finish: Callable[[], None] | None = None):
+        self._works = works
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for w in self._works:
+            if w is not None:
+                w.wait()
+        self._works = []
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        self._done = True
+
+
+class Transport(Protocol):
+    def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor) -> Handle: ...
+    def all_gather(self, rows: torch.Tensor, mine: torch.Tensor) -> Handle: ...
+    def all_reduce(self, tensor: torch.Tensor) -> Handle: ...
+
+
+class NativeTransport:
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world: int):
+        self.group, self.rank, self.world = group, rank, world
+
+    def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor) -> Handle:
+        if self.world == 1:
+            out.copy_(rows[0])
+            return Handle([])
+        return Handle([dist.reduce_scatter_single(out, rows.view(-1), group=self.group, async_op=True)])
+
+    def all_gather(self, rows: torch.Tensor, mine: torch.Tensor) -> Handle:
+        if self.world == 1:
+            rows[0].copy_(mine)
+            return Handle([])
+        return Handle([dist.all_gather_single(rows.view(-1), mine, group=self.group, async_op=True)])
+
+    def all_reduce(self, tensor: torch.Tensor) -> Handle:
+        if self.world == 1:
+            return Handle([])
+        return Handle([dist.all_reduce(tensor, group=self.group, async_op=True)])
+
+
+class PairwiseTransport(NativeTransport):
+    """Reduce-scatter / all-gather from one send and one receive per peer; reduction in rank order."""
+
+    _TAG_SPACE = 1 << 30
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world: int):
+        super().__init__(group, rank, world)
+        # Every rank issues collectives in the same order, so a shared counter gives each collective
+        # its own tag and messages of two in-flight collectives can never be matched to each other.
+        self._seq = 0
+
+    def _tag(self) -> int:
+        self._seq = (self._seq + 1) % self._TAG_SPACE
+        return self._seq
+
+    def _p2p(self, ops: list[tuple[Callable, torch.Tensor, int]], tag: int) -> list:
+        return dist.batch_isend_irecv(
+            [dist.P2POp(op, t, group=self.group, tag=tag, group_peer=peer) for op, t, peer in ops]
+        )
+
+    def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor) -> Handle:
+        if self.world == 1:
+            out.copy_(rows[0])
+            return Handle([])
+        r, w = self.rank, self.world
+        received = torch.empty((w, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+        ops = []
+        for peer in range(w):
+            if peer != r:
+                ops.append((dist.isend, rows[peer], peer))
+                ops.append((dist.irecv, received[peer], peer))
+        works = self._p2p(ops, self._tag())
+
+        def finish() -> None:
+            received[r].copy_(rows[r])
+            # Sum in rank order so every run, and every rank that owns a row, adds the same way.
+            if out.dtype == received.dtype:
+                torch.sum(received, dim=0, out=out)
+            else:
+                out.copy_(received.sum(0))
+
+        return Handle(works, finish)
+
+    def all_gather(self, rows: torch.Tensor, mine: torch.Tensor) -> Handle:
+        if self.world == 1:
+            rows[0].copy_(mine)
+            return Handle([])
+        r, w = self.rank, self.world
+        rows[r].copy_(mine)
+        ops = []
+        for peer in range(w):
+            if peer != r:
+                ops.append((dist.isend, rows[r], peer))
+                ops.append((dist.irecv, rows[peer], peer))
+        return Handle(self._p2p(ops, self._tag()))
+
+
+@dataclass
+class Communicator:
+    """Collectives over one process group, through the transport that suits its backend."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    transport: Transport
+
+    @staticmethod
+    def for_group(group: dist.ProcessGroup | None = None, transport: str = "auto") -> "Communicator":
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+            backend = dist.get_backend(group)
+        else:
+            rank, world, backend = 0, 1, "none"
+        if transport == "auto":
+            transport = "pairwise" if backend == "gloo" else "native"
+        if transport == "pairwise":
+            impl: Transport = PairwiseTransport(group, rank, world)
+        elif transport == "native":
+            impl = NativeTransport(group, rank, world)
+        else:
+            raise ValueError(f"unknown transport {transport!r}; use 'auto', 'native' or 'pairwise'")
+        return Communicator(group, rank, world, impl)
+
+    def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor) -> Handle:
+        return self.transport.reduce_scatter(out, rows)
+
+    def all_gather(self, rows: torch.Tensor, mine: torch.Tensor) -> Handle:
+        return self.transport.all_gather(rows, mine)
+
+    def all_reduce(self, tensor: torch.Tensor) -> Handle:
+        return self.transport.all_reduce(tensor)
+
+    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
+        """All-reduce a small fp32/fp64 tensor (norms, overflow flags) and return it."""
+        self.all_reduce(value).wait()
+        return value
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        if self.world > 1:
+            dist.broadcast(tensor, group=self.group, group_src=src)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=self.group)
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int, bool]:
+    """Use an initialised default process group, else initialise one from the standard environment.
+
+    Returns ``(rank, world_size, created)``.  With no ``RANK``/``WORLD_SIZE`` in the environment and no
+    process group, rayzero runs as world size 1 without creating one.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return 0, 1, False
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        return 0, 1, False
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise RuntimeError(
+                f"RANK and WORLD_SIZE are set but {var} is not: set {var} as torchrun and Ray Train do, "
+                "or initialise torch.distributed yourself before rayzero.initialize"
+            )
+    if backend is None:
+        from rayzero.accelerator import get_accelerator
+
+        backend = get_accelerator().communication_backend()
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    return rank, world, True

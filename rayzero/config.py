@@ -1,0 +1,541 @@
+"""Typed training config that reads DeepSpeed-style JSON/YAML as written.
+
+Every key is either understood, explicitly rejected as "not supported yet" (DeepSpeed features rayzero
+has not built), or reported as unknown with the closest known key. Nothing is silently ignored: a
+config that trains under DeepSpeed either trains the same way here or fails before any worker starts.
+
+    cfg = Config.from_any("ds_config.json")
+    plan = cfg.resolve_batch(world_size=8)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import json
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names the key, the value and the fix."""
+
+
+class NotSupportedYetError(ConfigError):
+    """A valid DeepSpeed key for a capability rayzero does not have yet."""
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def did_you_mean(key: str, candidates: typing.Iterable[str]) -> str:
+    """"; did you mean 'x'?" for the closest candidate, or "" when none is close."""
+    match = difflib.get_close_matches(key, sorted(candidates), n=1, cutoff=0.6)
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def unknown_key_error(path: str, key: str, known: typing.Iterable[str]) -> ConfigError:
+    """ConfigError for an unknown key at dotted `path`, suggesting the closest of `known`."""
+    known = sorted(known)
+    hint = did_you_mean(key, known)
+    if not hint:
+        hint = f"; known keys here: {', '.join(known)}" if known else ""
+    return ConfigError(f"unknown config key '{path}'{hint}")
+
+
+def not_supported_error(path: str, what: str = "") -> NotSupportedYetError:
+    detail = f" ({what})" if what else ""
+    return NotSupportedYetError(
+        f"config key '{path}'{detail} is not supported yet by rayzero; remove it from the config "
+        "to train without it"
+    )
+
+
+_TYPE_WORDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
+
+
+def _type_error(path: str, value: Any, expected: str) -> ConfigError:
+    hint = ""
+    if value == "auto":
+        hint = " ('auto' is a Hugging Face Trainer placeholder; write the concrete value)"
+    return ConfigError(
+        f"config key '{path}' has value {value!r} of type {type(value).__name__}; expected {expected}{hint}"
+    )
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check `value` against type hint `tp`; return it normalised (5e8 -> 500000000, dict -> section)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(path, value, inner[0])
+        raise TypeError(f"unsupported config type hint {tp!r}")  # programming error, not user error
+    if isinstance(tp, type) and issubclass(tp, _Section):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, Mapping):
+            return tp.from_dict(value)
+        raise _type_error(path, value, f"a mapping of {tp.__name__} keys")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(path, value, _TYPE_WORDS[bool])
+    if tp is int:
+        if isinstance(value, bool):
+            raise _type_error(path, value, _TYPE_WORDS[int])
+        if isinstance(value, int):
+            return value
+        # DeepSpeed configs write sizes as 5e8; accept floats that are whole numbers.
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            return int(value)
+        raise _type_error(path, value, _TYPE_WORDS[int])
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _type_error(path, value, _TYPE_WORDS[float])
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _type_error(path, value, _TYPE_WORDS[str])
+    if tp is dict or origin is dict:
+        if isinstance(value, Mapping):
+            return copy.deepcopy(dict(value))
+        raise _type_error(path, value, _TYPE_WORDS[dict])
+    raise TypeError(f"unsupported config type hint {tp!r}")
+
+
+class _Section:
+    """Shared parsing for config dataclasses: key checks in from_dict, type checks in __post_init__."""
+
+    _path: ClassVar[str] = ""
+    # DeepSpeed keys for capabilities not built yet -> short description.
+    _not_supported: ClassVar[Mapping[str, str]] = {}
+    # Other accepted spellings -> field name.
+    _aliases: ClassVar[Mapping[str, str]] = {}
+    # Keys accepted only with one value, because rayzero always behaves that way: key -> (value, why).
+    _fixed: ClassVar[Mapping[str, tuple[Any, str]]] = {}
+
+    @classmethod
+    def _field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        if not isinstance(data, Mapping):
+            raise _type_error(cls._path or "<config>", data, f"a mapping of {cls.__name__} keys")
+        names = cls._field_names()
+        kwargs: dict[str, Any] = {}
+        source: dict[str, str] = {}
+        for key, value in data.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"config key {key!r} under '{cls._path or '<top level>'}' is not a string")
+            path = _join(cls._path, key)
+            name = key if key in names else cls._aliases.get(key)
+            if name is not None:
+                if name in kwargs:
+                    raise ConfigError(
+                        f"config keys '{_join(cls._path, source[name])}' and '{path}' set the same "
+                        "option; keep one"
+                    )
+                kwargs[name] = value
+                source[name] = key
+            elif key in cls._fixed:
+                want, why = cls._fixed[key]
+                got = _coerce(path, value, type(want))
+                if got != want:
+                    raise ConfigError(f"config key '{path}' = {value!r} is not supported: {why}; set it to {want!r} or remove it")
+            elif key in cls._not_supported:
+                raise not_supported_error(path, cls._not_supported[key])
+            else:
+                supported = [*names, *cls._aliases, *cls._fixed]
+                err = unknown_key_error(path, key, supported)
+                if "did you mean" not in str(err):
+                    near = did_you_mean(key, cls._not_supported)
+                    if near:
+                        err = ConfigError(f"unknown config key '{path}'{near} (that key is not supported yet)")
+                raise err
+        required = [f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        for name in required:
+            if name not in kwargs:
+                raise ConfigError(f"config key '{_join(cls._path, name)}' is required")
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            object.__setattr__(self, f.name, _coerce(_join(self._path, f.name), value, hints[f.name]))
+        self._validate()
+
+    def _validate(self) -> None:
+        pass
+
+    def _check(self, name: str, ok: bool, requirement: str) -> None:
+        if not ok:
+            value = getattr(self, name)
+            raise ConfigError(f"config key '{_join(self._path, name)}' = {value!r} is invalid: {requirement}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict with DeepSpeed key names; `from_any(x.to_dict())` rebuilds an equal config."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            out[f.name] = value.to_dict() if isinstance(value, _Section) else copy.deepcopy(value)
+        return out
+
+
+_ZERO_NOT_SUPPORTED = {
+    "offload_optimizer": "optimizer state offload",
+    "offload_param": "parameter offload",
+    "cpu_offload": "optimizer state offload (old spelling)",
+    "cpu_offload_param": "parameter offload (old spelling)",
+    "cpu_offload_use_pin_memory": "offload",
+    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
+    "zero_quantized_weights": "ZeRO++ quantized weights",
+    "zero_quantized_nontrainable_weights": "ZeRO++ quantized weights",
+    "zero_quantized_gradients": "ZeRO++ quantized gradients",
+    "zeropp_loco_param": "ZeRO++ LoCo",
+    "mics_shard_size": "MiCS",
+    "mics_hierarchical_params_gather": "MiCS",
+    "sub_group_size": "",
+    "stage3_max_live_parameters": "",
+    "max_live_parameters": "",
+    "stage3_max_reuse_distance": "",
+    "max_reuse_distance": "",
+    "stage3_model_persistence_threshold": "",
+    "model_persistence_threshold": "",
+    "stage3_gather_16bit_weights_on_model_save": "",
+    "stage3_gather_fp16_weights_on_model_save": "",
+    "gather_16bit_weights_on_model_save": "",
+    "stage3_module_granularity_threshold": "",
+    "module_granularity_threshold": "",
+    "stage3_use_all_reduce_for_fetch_params": "",
+    "use_all_reduce_for_fetch_params": "",
+    "round_robin_gradients": "",
+    "elastic_checkpoint": "DeepSpeed's elastic checkpoint; rayzero checkpoints are universal already",
+    "ignore_unused_parameters": "",
+    "load_from_fp32_weights": "",
+    "legacy_stage1": "",
+    "memory_efficient_linear": "",
+    "pipeline_loading_checkpoint": "",
+    "override_module_apply": "",
+    "use_multi_rank_bucket_allreduce": "",
+    "log_trace_cache_warnings": "",
+}
+
+
+@dataclass
+class ZeroConfig(_Section):
+    """`zero_optimization`: which state is partitioned and how communication is bucketed (elements)."""
+
+    _path: ClassVar[str] = "zero_optimization"
+    _not_supported: ClassVar[Mapping[str, str]] = _ZERO_NOT_SUPPORTED
+    _aliases: ClassVar[Mapping[str, str]] = {
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+    }
+    _fixed: ClassVar[Mapping[str, tuple[Any, str]]] = {
+        "reduce_scatter": (True, "rayzero always reduce-scatters gradients into their owners' partitions"),
+        "allgather_partitions": (True, "rayzero always all-gathers updated partitions"),
+    }
+
+    stage: int = 0
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+
+    def _validate(self) -> None:
+        self._check("stage", 0 <= self.stage <= 3, "ZeRO stage must be 0, 1, 2 or 3")
+        self._check("reduce_bucket_size", self.reduce_bucket_size > 0, "must be > 0 elements")
+        self._check("allgather_bucket_size", self.allgather_bucket_size > 0, "must be > 0 elements")
+        self._check("stage3_prefetch_bucket_size", self.stage3_prefetch_bucket_size >= 0,
+                    "must be >= 0 elements (0 turns prefetch off)")
+        self._check("stage3_param_persistence_threshold", self.stage3_param_persistence_threshold >= 0,
+                    "must be >= 0 elements")
+
+
+@dataclass
+class OptimizerConfig(_Section):
+    """`optimizer`: a torch optimizer by name; `params` go to its constructor as written."""
+
+    _path: ClassVar[str] = "optimizer"
+    _not_supported: ClassVar[Mapping[str, str]] = {"legacy_fusion": ""}
+
+    type: str = "AdamW"
+    params: dict = field(default_factory=dict)
+
+    def _validate(self) -> None:
+        # Checked here so a bad optimizer fails when the config loads, not after workers start.
+        from rayzero.optim.factory import resolve_optimizer
+
+        resolve_optimizer(self)
+
+
+@dataclass
+class SchedulerConfig(_Section):
+    """`scheduler`: WarmupLR, WarmupDecayLR or WarmupCosineLR with DeepSpeed's params."""
+
+    _path: ClassVar[str] = "scheduler"
+
+    type: str
+    params: dict = field(default_factory=dict)
+
+    def _validate(self) -> None:
+        from rayzero.optim.schedulers import resolve_scheduler
+
+        resolve_scheduler(self)
+
+
+@dataclass
+class FP16Config(_Section):
+    """`fp16`: fp16 compute with loss scaling (dynamic when loss_scale is 0)."""
+
+    _path: ClassVar[str] = "fp16"
+    _not_supported: ClassVar[Mapping[str, str]] = {
+        "auto_cast": "autocast of module inputs",
+        "fp16_master_weights_and_grads": "",
+        "fp16_opt_level": "",
+    }
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+    def _validate(self) -> None:
+        self._check("loss_scale", math.isfinite(self.loss_scale) and self.loss_scale >= 0,
+                    "must be a finite number >= 0 (0 means dynamic loss scaling)")
+        # 2**128 overflows fp32, where the scale is kept.
+        self._check("initial_scale_power", 0 <= self.initial_scale_power < 128, "must be in 0..127")
+        self._check("loss_scale_window", self.loss_scale_window > 0, "must be > 0 steps")
+        self._check("hysteresis", self.hysteresis > 0, "must be > 0")
+        self._check("min_loss_scale", math.isfinite(self.min_loss_scale) and self.min_loss_scale > 0,
+                    "must be a finite number > 0")
+
+
+@dataclass
+class BF16Config(_Section):
+    """`bf16`: bf16 compute, fp32 master weights; no loss scaling needed."""
+
+    _path: ClassVar[str] = "bf16"
+    _not_supported: ClassVar[Mapping[str, str]] = {
+        "immediate_grad_update": "",
+        "check_grad_overflow": "",
+        "bf16_master_weights_and_grads": "",
+        "bf16_optimizer_states": "",
+    }
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's samples split: train_batch_size = micro * accumulation * world."""
+
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+
+
+_TOP_NOT_SUPPORTED = {
+    key: ""
+    for key in (
+        "moe", "tensor_parallel", "activation_checkpointing", "flops_profiler", "compression_training",
+        "data_efficiency", "aio", "amp", "pipeline", "sparse_attention", "checkpoint", "elasticity",
+        "comms_logger", "autotuning", "curriculum_learning", "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer", "fp8", "graph_harvesting", "compile", "data_types", "dump_state",
+        "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "memory_breakdown",
+        "tensorboard", "wandb", "csv_monitor", "comet", "nebula", "eigenvalue", "progressive_layer_drop",
+        "quantize_training", "hybrid_engine", "weight_quantization", "disable_allgather",
+        "dataloader_drop_last", "torch_autocast", "timers", "sequence_parallel_size",
+        "seq_parallel_communication_data_type", "use_data_before_expert_parallel_",
+        "zero_optimization_stage",
+    )
+}
+
+_COMM_DTYPES = {
+    "fp32": "fp32", "float32": "fp32",
+    "fp16": "fp16", "float16": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16",
+}
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Config(_Section):
+    """The whole training config. Build with `Config.from_any(dict | path | Config)`."""
+
+    _path: ClassVar[str] = ""
+    _not_supported: ClassVar[Mapping[str, str]] = _TOP_NOT_SUPPORTED
+    _aliases: ClassVar[Mapping[str, str]] = {"bfloat16": "bf16"}  # DeepSpeed's older spelling
+
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int | None = None
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    gradient_clipping: float = 0.0
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    communication_data_type: str | None = None
+    seed: int = 1234
+    deterministic: bool = False
+    nonfinite_grad: str = "error"
+    steps_per_print: int = 10
+    wall_clock_breakdown: bool = False
+
+    def _validate(self) -> None:
+        for name in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            self._check(name, value is None or value > 0, "must be a positive integer (or left out to derive it)")
+        self._check("gradient_clipping", math.isfinite(self.gradient_clipping) and self.gradient_clipping >= 0,
+                    "must be a finite number >= 0 (0 turns clipping off)")
+        if self.communication_data_type is not None:
+            normal = _COMM_DTYPES.get(self.communication_data_type.lower())
+            self._check("communication_data_type", normal is not None,
+                        f"must be one of {', '.join(_COMM_DTYPES)}")
+            self.communication_data_type = normal
+        self._check("seed", 0 <= self.seed < 2**64, "must be in 0..2**64-1")
+        self._check("nonfinite_grad", self.nonfinite_grad in ("error", "skip"), "must be 'error' or 'skip'")
+        self._check("steps_per_print", self.steps_per_print >= 0, "must be >= 0 (0 turns step logging off)")
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError(
+                "config enables both 'fp16.enabled' and 'bf16.enabled'; pick one compute precision"
+            )
+
+    # --- construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_any(cls, obj: Config | Mapping[str, Any] | str | os.PathLike) -> Config:
+        """A Config as is, a dict of DeepSpeed-style keys, or a path to a .json / .yaml / .yml file."""
+        if isinstance(obj, Config):
+            return obj
+        if isinstance(obj, Mapping):
+            return cls.from_dict(obj)
+        if isinstance(obj, (str, os.PathLike)):
+            return cls.from_dict(_load_file(Path(obj)))
+        raise ConfigError(
+            f"cannot build a Config from {type(obj).__name__}; pass a Config, a dict, or a path to a "
+            ".json/.yaml file"
+        )
+
+    # --- derived values -----------------------------------------------------------------------------
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.fp16.enabled:
+            return torch.float16
+        if self.bf16.enabled:
+            return torch.bfloat16
+        return torch.float32
+
+    @property
+    def comm_dtype(self) -> torch.dtype:
+        """Dtype gradients are reduced in: the explicit setting, else fp32 for accuracy."""
+        return _TORCH_DTYPES[self.communication_data_type or "fp32"]
+
+    def resolve_batch(self, world_size: int) -> BatchPlan:
+        """Fill in whichever of the three batch keys are missing for this world size (see module doc)."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+        return _resolve_batch(
+            self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
+            world_size,
+        )
+
+
+def _load_file(path: Path) -> Any:
+    if not path.exists():
+        raise ConfigError(f"config file '{path}' does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config path '{path}' is not a file")
+    suffix = path.suffix.lower()
+    text = path.read_text()
+    if suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file '{path}' is not valid JSON: {exc}") from exc
+    if suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {exc}") from exc
+        return {} if data is None else data
+    raise ConfigError(f"config file '{path}' has suffix '{path.suffix}'; use .json, .yaml or .yml")
+
+
+_TBS, _MBS, _GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+
+
+def _resolve_batch(tbs: int | None, mbs: int | None, gas: int | None, world: int) -> BatchPlan:
+    def divide(total: int, parts: list[tuple[str, int]], derived: str) -> int:
+        product = math.prod(v for _, v in parts)
+        if total % product:
+            expr = " * ".join(f"{name} {v}" for name, v in parts)
+            lower = (total // product) * product
+            fixes = f"{lower} or {lower + product}" if lower else f"{product}"
+            raise ConfigError(
+                f"cannot derive {derived}: {_TBS} {total} is not divisible by {expr} = {product} "
+                f"({total} / {product} = {total / product:g}); set {_TBS} to a multiple of {product} "
+                f"(e.g. {fixes}) or change the other values"
+            )
+        return total // product
+
+    if tbs is not None and mbs is not None and gas is not None:
+        product = mbs * gas * world
+        if tbs != product:
+            hint = f"set {_TBS} to {product}"
+            if tbs % (mbs * world) == 0:
+                hint += f", or {_GAS} to {tbs // (mbs * world)}"
+            if tbs % (gas * world) == 0:
+                hint += f", or {_MBS} to {tbs // (gas * world)}"
+            raise ConfigError(
+                f"{_TBS} {tbs} != {_MBS} {mbs} * {_GAS} {gas} * world_size {world} = {product}; {hint}; "
+                "or give only two of the three so the third follows the world size"
+            )
+    elif tbs is not None and mbs is not None:
+        gas = divide(tbs, [(_MBS, mbs), ("world_size", world)], _GAS)
+    elif tbs is not None and gas is not None:
+        mbs = divide(tbs, [(_GAS, gas), ("world_size", world)], _MBS)
+    elif mbs is not None and gas is not None:
+        tbs = mbs * gas * world
+    elif tbs is not None:
+        gas = 1
+        mbs = divide(tbs, [("world_size", world)], _MBS)
+    elif mbs is not None:
+        gas = 1
+        tbs = mbs * world
+    elif gas is not None:
+        mbs = 1
+        tbs = gas * world
+    else:
+        mbs, gas = 1, 1
+        tbs = world
+    return BatchPlan(train_batch_size=tbs, micro_batch_size=mbs, gradient_accumulation_steps=gas, world_size=world)

@@ -1,0 +1,297 @@
+"""The Engine: one rank's view of a ZeRO-partitioned model.  Forward, backward, step.
+
+The engine only composes: the layout and partitions (``zero/``), the gradient reducer and weight publisher
+(``zero/stage12.py``), the stage-3 parameter gatherer (``zero/stage3.py``), the fp32 global norm and loss
+scaler (``optim/``), and torch's own optimizer running on the fp32 master partitions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from rayzero.accelerator import get_accelerator
+from rayzero.comm import Communicator, init_distributed
+from rayzero.config import Config, ConfigError
+from rayzero.determinism import apply_deterministic_policy
+from rayzero.optim.clip import clip_coefficient, global_grad_norm
+from rayzero.optim.factory import build_optimizer
+from rayzero.optim.schedulers import build_scheduler
+from rayzero.optim.loss_scaler import LossScaler
+from rayzero.topology import ParallelDims
+from rayzero.zero.partition import Partitions
+from rayzero.zero.stage12 import GradientReducer, WeightPublisher
+from rayzero.zero.stage3 import ParamGatherer
+
+
+class NonFiniteGradientError(FloatingPointError):
+    pass
+
+
+class Engine:
+    """Wraps ``model`` for ZeRO training.  Build it with :func:`rayzero.initialize`."""
+
+    def __init__(self, model: torch.nn.Module, config: Any = None, model_parameters: Iterable | None = None):
+        self.config = Config.from_any(config if config is not None else {})
+        cfg = self.config
+        self.rank, self.world_size, self._created_process_group = init_distributed()
+        self.accelerator = get_accelerator()
+        if cfg.deterministic:
+            apply_deterministic_policy(cfg.seed, self.rank, self.accelerator)
+        self.topology = ParallelDims(self.world_size)
+        self.batch = cfg.resolve_batch(self.world_size)
+        self.stage = cfg.zero_optimization.stage
+        self.compute_dtype = cfg.compute_dtype
+        self.module = model
+        transport = "pairwise" if cfg.deterministic else "auto"
+        self.comm = Communicator.for_group(None, transport=transport)
+
+        groups = self._param_groups(model, model_parameters)
+        names = {}
+        for n, p in model.named_parameters():
+            names.setdefault(p, n)
+        pre_sharded = any(hasattr(p, "_rayzero_shard") for g in groups for p in g["params"])
+        if pre_sharded and self.stage != 3:
+            raise ConfigError(
+                f"the model was built under rayzero.zero_init, which only ZeRO stage 3 can train; "
+                f"zero_optimization.stage is {self.stage}: set it to 3 or build the model without zero_init"
+            )
+        self._broadcast_from_rank0(model)
+
+        self.partitions = Partitions(groups, names, self.comm, partitioned=self.stage >= 1)
+        self.partitions.load_masters_from_params()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dtype.is_floating_point and p.dtype != self.compute_dtype and not hasattr(p, "_rayzero_shard"):
+                    p.data = p.data.to(self.compute_dtype)
+        for p in self.partitions.all_params():
+            if hasattr(p, "_rayzero_shard"):
+                del p._rayzero_shard
+
+        z = cfg.zero_optimization
+        self.gatherer: ParamGatherer | None = None
+        if self.stage == 3:
+            self.gatherer = ParamGatherer(
+                model,
+                self.partitions,
+                self.comm,
+                self.compute_dtype,
+                z.stage3_param_persistence_threshold,
+                prefetch=z.overlap_comm,
+            )
+        self.reducer = GradientReducer(
+            self.partitions,
+            self.comm,
+            self.stage,
+            z.reduce_bucket_size,
+            cfg.comm_dtype,
+            on_param_reduced=self.gatherer.on_param_reduced if self.gatherer else None,
+        )
+        self.publisher = WeightPublisher(self.partitions, self.comm, z.allgather_bucket_size, self.compute_dtype)
+        if self.gatherer is not None and self.gatherer.persistent:
+            self.publisher.publish(only=self.gatherer.persistent)  # persistent params: compute dtype, whole
+
+        self.optimizer = build_optimizer(
+            cfg.optimizer, [dict(params=[g.master], **g.overrides) for g in self.partitions.groups]
+        )
+        self.lr_scheduler = build_scheduler(cfg.scheduler, self.optimizer)
+        self.loss_scaler = LossScaler.from_fp16_config(cfg.fp16)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.global_grad_norm: float | None = None
+        self._manual_boundary: bool | None = None
+        self._destroyed = False
+
+    # ---- set-up helpers --------------------------------------------------------------------------------
+    @staticmethod
+    def _param_groups(model: torch.nn.Module, model_parameters: Iterable | None) -> list[dict]:
+        trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+        if model_parameters is None:
+            return [{"params": trainable}]
+        items = list(model_parameters)
+        if items and isinstance(items[0], dict):
+            groups = [dict(g, params=list(g["params"])) for g in items]
+        else:
+            groups = [{"params": items}]
+        owned = set(model.parameters())
+        seen: set = set()
+        for gi, g in enumerate(groups):
+            for p in g["params"]:
+                if p not in owned:
+                    raise ValueError(f"param group {gi} holds a tensor that is not a parameter of the model")
+                if p in seen:
+                    raise ValueError(f"a parameter appears in more than one param group (group {gi})")
+                seen.add(p)
+            g["params"] = [p for p in g["params"] if p.requires_grad]
+        missing = [p for p in trainable if p not in seen]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameter(s) are in no param group; add them to a group or set "
+                "requires_grad=False on them"
+            )
+        return [g for g in groups if g["params"]]
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self, model: torch.nn.Module) -> None:
+        """Every rank starts from rank 0's weights and buffers (as DDP does)."""
+        if self.comm.world == 1:
+            return
+        for p in model.parameters():
+            if not hasattr(p, "_rayzero_shard"):
+                self.comm.broadcast(p.data)
+        for b in model.buffers():
+            self.comm.broadcast(b.data)
+
+    # ---- accumulation boundary -------------------------------------------------------------------------
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._manual_boundary is not None:
+            return self._manual_boundary
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Take manual control of boundaries (``None`` hands it back to ``gradient_accumulation_steps``)."""
+        self._manual_boundary = is_boundary
+
+    # ---- forward / backward / step ---------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self._check_alive()
+        if self.compute_dtype != torch.float32:
+            # Floating-point inputs follow the compute dtype so users need not cast batches themselves.
+            cast = lambda t: t.to(self.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        self._check_alive()
+        self.reducer.reduce_now = self.stage >= 2 or self.is_gradient_accumulation_boundary()
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        scaled = loss.float() * scale if scale != 1.0 else loss
+        try:
+            scaled.backward()
+        finally:
+            self.reducer.flush()
+            if self.gatherer is not None:
+                self.gatherer.release_all()
+                self.gatherer.end_first_step()
+
+    def step(self) -> None:
+        """The optimizer step at an accumulation boundary; between boundaries only counts the micro-step."""
+        self._check_alive()
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        if self.reducer.pending:  # boundary decided after the backward (manual boundaries): reduce now
+            self.reducer.reduce_now = True
+            self.reducer.flush()
+        unscale = self.reducer.grad_scale() / self.loss_scaler.scale
+        partitioned = self.stage >= 1
+        raw = global_grad_norm(self.partitions.local_grad_sq_sum(), self.comm if partitioned else None)
+        norm = raw * unscale
+        self.global_grad_norm = norm
+        if not math.isfinite(norm):
+            self._skip_or_raise(norm)
+        else:
+            multiplier = unscale * clip_coefficient(norm, self.config.gradient_clipping)
+            for g in self.partitions.groups:
+                if multiplier != 1.0:
+                    g.grad.mul_(multiplier)
+                g.master.grad = g.grad
+            self.optimizer.step()
+            for g in self.partitions.groups:
+                g.master.grad = None
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            if self.stage < 3:
+                self.publisher.publish()
+            elif self.gatherer.persistent:
+                self.publisher.publish(only=self.gatherer.persistent)
+            self.loss_scaler.update(overflow=False)
+        self.partitions.zero_grads()
+        self.global_steps += 1
+        self.micro_steps += 1
+
+    def _skip_or_raise(self, norm: float) -> None:
+        step = self.global_steps + 1
+        if self.config.fp16.enabled or self.config.nonfinite_grad == "skip":
+            self.skipped_steps += 1
+            self.loss_scaler.update(overflow=True)
+            return
+        self.partitions.zero_grads()
+        raise NonFiniteGradientError(
+            f"the global gradient norm is {norm} at step {step}; the step was not taken. Lower the learning "
+            "rate, check the data and loss for inf/nan, or set \"nonfinite_grad\": \"skip\" to skip such steps"
+        )
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (the engine zeroes them itself after every step)."""
+        self.partitions.zero_grads()
+
+    # ---- results ---------------------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights (and buffers) under the model's own names, on every rank."""
+        self._check_alive()
+        full: dict[int, torch.Tensor] = {}
+        for p in self.partitions.all_params():
+            full[id(p)] = self.partitions.gather_full(self.partitions.entry_of[p])
+        out = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            out[name] = full[id(p)] if id(p) in full else p.detach().clone()
+        for name, b in self.module.named_buffers():
+            out[name] = b.detach().clone()
+        # keep the model's own key order
+        order = list(self.module.state_dict(keep_vars=True).keys())
+        return {k: out[k] for k in order if k in out}
+
+    # ---- tear-down -------------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this rayzero Engine was destroyed; build a new one with rayzero.initialize")
+
+    def destroy(self) -> None:
+        """Free partitions, buckets, hooks and (if the engine created it) the process group.
+
+        The wrapped model is left whole, holding the latest weights in the compute dtype.
+        """
+        if self._destroyed:
+            return
+        self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
+            self.gatherer.materialize_all()
+        self.optimizer.state.clear()
+        self.optimizer.param_groups.clear()
+        self.lr_scheduler = None
+        for g in self.partitions.groups:
+            g.master = g.grad = torch.empty(0)
+            g.params = []
+        self.partitions.entry_of.clear()
+        self.reducer = self.publisher = self.gatherer = None
+        self._destroyed = True
+        if self._created_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def initialize(model: torch.nn.Module, config: Any = None, model_parameters: Iterable | None = None) -> Engine:
+    """Wrap ``model`` in a ZeRO :class:`Engine` (config: dict, JSON/YAML path or :class:`rayzero.Config`)."""
+    return Engine(model, config, model_parameters)

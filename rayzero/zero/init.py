@@ -1,0 +1,144 @@
+"""``rayzero.zero_init()``: build a model for ZeRO stage 3 without any rank ever holding it whole.
+
+Inside the context, every ``nn.Module``'s own parameters are sharded the moment that module's constructor
+returns: the rank keeps only its fp32 shard (see ``zero/layout.py``) and the parameter keeps its shape over
+a one-element stand-in storage.  The constructor itself runs for real on real tensors, consuming the random
+number generator exactly as a plain construction does, so the shards are exactly the slices of the weights
+a full construction from the same RNG state would produce.  Peak memory is the largest single module's
+parameters, not the model's.
+
+Code that touches an already-sharded parameter later in construction (a parent re-initialising its
+children, ``model.apply(init_weights)``, weight tying followed by an in-place init) is handled too: any
+torch operation on a sharded parameter inside the context gathers it, runs, and re-shards the result.
+All ranks must build the model with the same code and the same RNG state (``seed`` does that for you).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from rayzero.comm import Communicator, init_distributed
+from rayzero.zero.layout import ceil_div, copy_from_rows
+
+
+class _ShardState:
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self.world = comm.world
+        self.rank = comm.rank
+
+    @torch.no_grad()
+    def shard(self, p: torch.nn.Parameter) -> None:
+        numel = p.numel()
+        chunk = ceil_div(numel, self.world)
+        flat = p.detach().reshape(-1)
+        start = min(self.rank * chunk, numel)
+        end = min(start + chunk, numel)
+        shard = torch.zeros(chunk, dtype=torch.float32)
+        shard[: end - start].copy_(flat[start:end])
+        p._rayzero_shard = shard
+        # A one-element stand-in keeps the shape; writing to it raises instead of corrupting anything.
+        p.data = torch.zeros(1, dtype=p.dtype).expand(p.shape)
+
+    @torch.no_grad()
+    def materialize(self, p: torch.nn.Parameter) -> None:
+        shard = p._rayzero_shard
+        chunk = shard.numel()
+        rows = torch.empty((self.world, chunk), dtype=torch.float32)
+        self.comm.all_gather(rows, shard).wait()
+        flat = torch.empty(p.numel(), dtype=torch.float32)
+        copy_from_rows(flat, rows, 0, chunk)
+        p.data = flat.view(p.shape).to(p.dtype)
+        del p._rayzero_shard
+
+
+class _GatherOnUse(TorchFunctionMode):
+    """Any torch call that touches a sharded parameter sees it whole, and re-shards it after."""
+
+    def __init__(self, state: _ShardState):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves, _ = tree_flatten((args, kwargs))
+        sharded = list(
+            dict.fromkeys(t for t in leaves if isinstance(t, torch.nn.Parameter) and hasattr(t, "_rayzero_shard"))
+        )
+        # Attribute reads (shape, dtype, ...) need no gathering.
+        if not sharded or getattr(func, "__name__", "") in ("__get__", "size", "dim", "numel"):
+            return func(*args, **kwargs)
+        for p in sharded:
+            self.state.materialize(p)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            for p in sharded:
+                self.state.shard(p)
+
+
+@contextlib.contextmanager
+def zero_init(seed: int | None = None) -> Iterator[None]:
+    """Construct modules inside this context to shard their parameters as they are built (stage 3)."""
+    init_distributed()
+    state = _ShardState(Communicator.for_group(None))
+    if seed is not None:
+        torch.manual_seed(seed)
+
+    depth: dict[int, int] = {}
+    wrapped: dict[type, object] = {}
+
+    def wrap(cls: type) -> None:
+        if "__init__" not in cls.__dict__ or cls in wrapped:
+            return
+        original = cls.__dict__["__init__"]
+        wrapped[cls] = original
+
+        def __init__(self, *args, **kwargs):
+            key = id(self)
+            depth[key] = depth.get(key, 0) + 1
+            try:
+                original(self, *args, **kwargs)
+            finally:
+                depth[key] -= 1
+                if depth[key] == 0:
+                    del depth[key]
+                    for p in self._parameters.values():
+                        if p is not None and not hasattr(p, "_rayzero_shard") and p.numel() > 0:
+                            state.shard(p)
+
+        __init__.__wrapped__ = original
+        cls.__init__ = __init__
+
+    def all_subclasses(cls: type) -> list[type]:
+        out, todo = [], [cls]
+        while todo:
+            c = todo.pop()
+            out.append(c)
+            todo.extend(c.__subclasses__())
+        return out
+
+    for cls in all_subclasses(torch.nn.Module):
+        wrap(cls)
+    original_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(cls, **kwargs):
+        super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+        wrap(cls)
+
+    torch.nn.Module.__init_subclass__ = classmethod(__init_subclass__)
+    try:
+        with _GatherOnUse(state):
+            yield
+    finally:
+        for cls, original in wrapped.items():
+            cls.__init__ = original
+        if original_init_subclass is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = original_init_subclass

@@ -1,0 +1,249 @@
+"""Gradient buckets (every stage) and weight publishing for ZeRO stages 0-2.
+
+Gradients reach rayzero through one post-accumulate hook per parameter.  Each hook copies the parameter's
+gradient into the bucket that holds it and drops ``param.grad``; a bucket whose parameters are all in is
+reduced while backward goes on.  Buckets are launched strictly in bucket order (the reverse of
+registration order, which is the order backward usually produces them), so every rank issues the same
+collectives in the same order even when parameters finish in a different order or not at all.
+
+Stage policies:
+
+* stage 0: buckets are slices of the full fp32 gradient; local gradients accumulate there across
+  micro-steps and the boundary's backward all-reduces them.
+* stage 1: full-size fp32 local gradients (laid out as rows per rank) accumulate across micro-steps; the
+  boundary's backward reduce-scatters them into the gradient partition.  No traffic between boundaries.
+* stages 2 and 3: every backward reduce-scatters each bucket as soon as it is full, into the gradient
+  partition, and frees the bucket: no full-size gradient outlives its bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rayzero.comm import Communicator, Handle
+from rayzero.zero.layout import ParamEntry, copy_from_rows, copy_into_rows
+from rayzero.zero.partition import GroupPartition, Partitions
+
+
+@dataclass
+class Bucket:
+    group: GroupPartition
+    entries: list[ParamEntry]  # consecutive in the partition
+    params: list[torch.nn.Parameter]
+    cols: int
+    part_start: int
+    col_of: dict[int, int] = field(default_factory=dict)  # index_in_group -> column
+    rows: torch.Tensor | None = None  # (world, cols) local gradients (stage 0: a view of the grad partition)
+    ready: set = field(default_factory=set)
+    launched: bool = False
+    handle: Handle | None = None
+    out: torch.Tensor | None = None
+    send: torch.Tensor | None = None
+
+    @property
+    def part_slice(self) -> slice:
+        return slice(self.part_start, self.part_start + self.cols)
+
+
+def make_buckets(partitions: Partitions, max_elements: int) -> list[Bucket]:
+    """Split each group into runs of consecutive entries of at most ``max_elements`` padded elements.
+
+    A parameter larger than ``max_elements`` gets a bucket of its own.  Buckets are returned in launch
+    order: groups last to first, parameters last to first.
+    """
+    buckets: list[Bucket] = []
+    world = partitions.world
+    for g in partitions.groups:
+        current: list[tuple[ParamEntry, torch.nn.Parameter]] = []
+        size = 0
+        for e, p in zip(g.layout.entries, g.params):
+            if current and size + e.chunk * world > max_elements:
+                buckets.append(_bucket(g, current))
+                current, size = [], 0
+            current.append((e, p))
+            size += e.chunk * world
+        if current:
+            buckets.append(_bucket(g, current))
+    buckets.reverse()
+    return buckets
+
+
+def _bucket(g: GroupPartition, members: list[tuple[ParamEntry, torch.nn.Parameter]]) -> Bucket:
+    entries = [e for e, _ in members]
+    b = Bucket(
+        group=g,
+        entries=entries,
+        params=[p for _, p in members],
+        cols=sum(e.chunk for e in entries),
+        part_start=entries[0].partition_offset,
+    )
+    for e in entries:
+        b.col_of[e.index_in_group] = e.partition_offset - b.part_start
+    return b
+
+
+class GradientReducer:
+    """Moves gradients from backward into the fp32 gradient partitions, in buckets."""
+
+    def __init__(
+        self,
+        partitions: Partitions,
+        comm: Communicator,
+        stage: int,
+        bucket_elements: int,
+        comm_dtype: torch.dtype,
+        on_param_reduced: Callable[[torch.nn.Parameter], None] | None = None,
+    ):
+        self.partitions = partitions
+        self.comm = comm
+        self.stage = stage
+        self.comm_dtype = comm_dtype
+        self.world = comm.world
+        self.on_param_reduced = on_param_reduced
+        # 16-bit reductions divide before summing so the sum cannot overflow; fp32 divides once at the end.
+        self.predivide = comm_dtype != torch.float32
+        self.buckets = make_buckets(partitions, bucket_elements)
+        self.bucket_of: dict[torch.nn.Parameter, Bucket] = {}
+        for b in self.buckets:
+            for p in b.params:
+                self.bucket_of[p] = b
+        self.accumulate_locally = stage in (0, 1)
+        if self.accumulate_locally:
+            for b in self.buckets:
+                if stage == 0:
+                    b.rows = b.group.grad[b.part_slice].view(1, b.cols)
+                else:
+                    b.rows = torch.zeros((self.world, b.cols), dtype=torch.float32)
+        self.reduce_now = True  # set per backward: reduce in this backward (boundary) or only accumulate
+        self.pending = False  # some gradients are in buckets but not yet in the partition
+        self._next_launch = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.bucket_of]
+
+    # ---- backward side -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        b = self.bucket_of[param]
+        e = self.partitions.entry_of[param]
+        if b.launched:
+            raise RuntimeError(
+                f"parameter {e.name!r} received a second gradient after its bucket was reduced in this "
+                "backward; rayzero supports one gradient per parameter per backward (no reentrant "
+                "re-use of a parameter after its gradient is complete)"
+            )
+        if b.rows is None:
+            b.rows = torch.zeros((self.world, b.cols), dtype=self._bucket_dtype())
+        flat = grad.reshape(-1)
+        if self.predivide and not self.accumulate_locally:
+            flat = flat / self.world
+        col = b.col_of[e.index_in_group]
+        if self.stage == 0:
+            b.rows[0, col : col + e.numel].add_(flat)
+        else:
+            copy_into_rows(b.rows, col, e.chunk, flat, accumulate=self.accumulate_locally or e.index_in_group in b.ready)
+        param.grad = None
+        b.ready.add(e.index_in_group)
+        self.pending = True
+        if self.on_param_reduced is not None:
+            self.on_param_reduced(param)
+        if self.reduce_now:
+            self._launch_ready()
+
+    def _bucket_dtype(self) -> torch.dtype:
+        return torch.float32 if self.accumulate_locally else self.comm_dtype
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            b = self.buckets[self._next_launch]
+            if len(b.ready) < len(b.entries):
+                return
+            self._launch(b)
+            self._next_launch += 1
+
+    def _launch(self, b: Bucket) -> None:
+        if b.rows is None:  # no parameter of this bucket got a gradient: it contributes zeros
+            b.rows = torch.zeros((self.world, b.cols), dtype=self._bucket_dtype())
+        send = b.rows
+        if send.dtype != self.comm_dtype:
+            send = (send / self.world if self.predivide else send).to(self.comm_dtype)
+        b.send = send
+        if self.stage == 0:
+            b.handle = self.comm.all_reduce(send)
+        else:
+            b.out = torch.empty(b.cols, dtype=self.comm_dtype)
+            b.handle = self.comm.reduce_scatter(b.out, send)
+        b.launched = True
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """End of a backward: reduce what is left (if this is a reducing backward) and settle buckets."""
+        if not self.reduce_now:
+            for b in self.buckets:  # readiness is per backward; the gradients stay in the local buffers
+                b.ready.clear()
+            return
+        while self._next_launch < len(self.buckets):
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        for b in self.buckets:
+            b.handle.wait()
+            grad_slice = b.group.grad[b.part_slice]
+            if self.stage == 0:
+                if b.send is not b.rows:
+                    b.rows[0].copy_(b.send[0])
+            else:
+                grad_slice.add_(b.out)
+            b.handle = b.out = b.send = None
+            b.launched = False
+            b.ready.clear()
+            if self.stage == 1:
+                b.rows.zero_()
+            elif self.stage >= 2:
+                b.rows = None  # the full-size gradient dies with its bucket
+        self._next_launch = 0
+        self.pending = False
+
+    def grad_scale(self) -> float:
+        """Factor that turns the reduced sums in the gradient partitions into the mean gradient."""
+        return 1.0 if self.predivide else 1.0 / self.world
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for b in self.buckets:
+            b.rows = b.out = b.send = b.handle = None
+
+
+class WeightPublisher:
+    """After a step, copies the updated fp32 masters into the model's compute-dtype parameters."""
+
+    def __init__(self, partitions: Partitions, comm: Communicator, bucket_elements: int, compute_dtype: torch.dtype):
+        self.partitions = partitions
+        self.comm = comm
+        self.compute_dtype = compute_dtype
+        self.buckets = list(reversed(make_buckets(partitions, bucket_elements)))
+
+    @torch.no_grad()
+    def publish(self, only: set[torch.nn.Parameter] | None = None) -> None:
+        world = self.partitions.world
+        inflight = []
+        for b in self.buckets:
+            members = [(e, p) for e, p in zip(b.entries, b.params) if only is None or p in only]
+            if not members:
+                continue
+            if world == 1:
+                for e, p in members:
+                    p.data.view(-1).copy_(self.partitions.master_shard(e)[: e.numel])
+                continue
+            mine = b.group.master[b.part_slice].to(self.compute_dtype)
+            rows = torch.empty((world, b.cols), dtype=self.compute_dtype)
+            inflight.append((b, members, rows, self.comm.all_gather(rows, mine)))
+        for b, members, rows, handle in inflight:
+            handle.wait()
+            for e, p in members:
+                copy_from_rows(p.data.view(-1), rows, b.col_of[e.index_in_group], e.chunk)
