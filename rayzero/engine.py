@@ -70,6 +70,9 @@ class Engine:
                     p.data = p.data.to(self.compute_dtype)
         for p in self.partitions.all_params():
             if hasattr(p, "_rayzero_shard"):
+                # The fp32 shard now lives in the master partition; the stand-in becomes real storage
+                # (filled by the publisher for persistent parameters, released by the gatherer otherwise).
+                p.data = torch.empty(p.shape, dtype=self.compute_dtype)
                 del p._rayzero_shard
 
         z = cfg.zero_optimization

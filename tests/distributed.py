@@ -16,7 +16,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, queue, args, env):
+def _entry(fn, rank, world, port, queue, args, env, init_pg):
     import torch
     import torch.distributed as dist
 
@@ -24,7 +24,8 @@ def _entry(fn, rank, world, port, queue, args, env):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
         # plain pickle: tensors travel as bytes, not as shared-memory handles that die with this process
         queue.put((rank, "ok", pickle.dumps(result)))
@@ -35,13 +36,19 @@ def _entry(fn, rank, world, port, queue, args, env):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args, timeout: float = 240.0, env: dict | None = None) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return the per-rank results in rank order."""
+def run_distributed(
+    fn, world: int, *args, timeout: float = 240.0, env: dict | None = None, init_pg: bool = True
+) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; return the per-rank results in rank order.
+
+    With ``init_pg=False`` the processes get only the standard environment variables (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) and no process group, as a launcher leaves them.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, env or {}), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, env or {}, init_pg), daemon=True)
         for r in range(world)
     ]
     for p in procs:

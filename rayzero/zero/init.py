@@ -41,9 +41,10 @@ class _ShardState:
         end = min(start + chunk, numel)
         shard = torch.zeros(chunk, dtype=torch.float32)
         shard[: end - start].copy_(flat[start:end])
-        p._rayzero_shard = shard
         # A one-element stand-in keeps the shape; writing to it raises instead of corrupting anything.
+        # (Mark the parameter only afterwards: the assignment is itself a torch call the mode sees.)
         p.data = torch.zeros(1, dtype=p.dtype).expand(p.shape)
+        p._rayzero_shard = shard
 
     @torch.no_grad()
     def materialize(self, p: torch.nn.Parameter) -> None:
