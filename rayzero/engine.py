@@ -95,6 +95,14 @@ class Engine:
             on_param_reduced=self.gatherer.on_param_reduced if self.gatherer else None,
         )
         self.publisher = WeightPublisher(self.partitions, self.comm, z.allgather_bucket_size, self.compute_dtype)
+        # Stage 0 in fp32: the parameters themselves become views of the master, so the optimizer updates
+        # them in place and there is nothing to publish (and no second fp32 copy of the weights).
+        self._params_alias_master = self.stage == 0 and self.compute_dtype == torch.float32
+        if self._params_alias_master:
+            with torch.no_grad():
+                for g in self.partitions.groups:
+                    for p, e in zip(g.params, g.layout.entries):
+                        p.data = self.partitions.master_shard(e)[: e.numel].view(e.shape)
         if self.gatherer is not None and self.gatherer.persistent:
             self.publisher.publish(only=self.gatherer.persistent)  # persistent params: compute dtype, whole
 
@@ -218,7 +226,8 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             if self.stage < 3:
-                self.publisher.publish()
+                if not self._params_alias_master:
+                    self.publisher.publish()
             elif self.gatherer.persistent:
                 self.publisher.publish(only=self.gatherer.persistent)
             self.loss_scaler.update(overflow=False)
