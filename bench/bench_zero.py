@@ -75,6 +75,17 @@ def hwm_mib() -> float:
     return _status_kib("VmHWM") / 1024
 
 
+def cpu_busy_s() -> float:
+    """CPU seconds all cores of the machine spent busy since boot (/proc/stat), to detect competing load."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+        return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return float("nan")
+
+
 def reset_hwm() -> bool:
     """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``); False where not permitted."""
     try:
@@ -254,6 +265,7 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespa
                 out["hwm_setup_warmup_mib"] = hwm_mib()
                 out["rss_before_timed_mib"] = rss_mib()
                 reset_hwm()  # from here VmHWM is the peak of the timed steps alone
+                timed_t0, busy0, own0 = time.perf_counter(), cpu_busy_s(), time.process_time()
             t0 = time.perf_counter()
             loss, norm = step(x[lo:hi], y[lo:hi])
             dt = time.perf_counter() - t0
@@ -262,6 +274,9 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespa
             if i >= a.warmup:
                 times.append(dt)
         out["hwm_timed_mib"] = hwm_mib()
+        out["timed_wall_s"] = time.perf_counter() - timed_t0
+        out["timed_machine_busy_s"] = cpu_busy_s() - busy0
+        out["timed_own_cpu_s"] = time.process_time() - own0  # all threads of this rank (gloo's included)
         out["peak_rss_mib"] = max(out["hwm_setup_warmup_mib"], out["hwm_timed_mib"])
         out["step_s"] = times
         out["median_step_ms"] = statistics.median(times) * 1000
@@ -359,6 +374,9 @@ def run_system(spec: dict, a: argparse.Namespace) -> dict:
         median_step_ms=max(r["median_step_ms"] for r in ranks),  # the slowest rank sets the pace
         peak_rss_mib=max(r["peak_rss_mib"] for r in ranks),
         timed_peak_rss_mib=max(r["hwm_timed_mib"] for r in ranks),
+        # cores kept busy during the timed steps by anything other than these ranks: should be ~0
+        foreign_cores=max(0.0, (ranks[0]["timed_machine_busy_s"] - sum(r["timed_own_cpu_s"] for r in ranks))
+                          / ranks[0]["timed_wall_s"]),
         losses=ranks[0]["losses"],
         grad_norms=ranks[0]["grad_norms"],
     )
@@ -382,6 +400,18 @@ def _short_error(msg: str) -> str:
     return (last[:140] + "...") if len(last) > 140 else last
 
 
+def _provenance_line(p: dict) -> str:
+    if "rayzero_sources_sha256" not in p:
+        return f"rayzero: {p.get('error', 'unknown version')}"
+    line = f"rayzero: git {p.get('git_commit', '?')}"
+    if p.get("rayzero_dirty"):
+        line += " + uncommitted changes in rayzero/"
+    line += f", sources sha256 {p['rayzero_sources_sha256']}; torch {torch.__version__}."
+    if p.get("sources_changed_during_run"):
+        line += " WARNING: rayzero changed during the run; rows may mix versions."
+    return line
+
+
 def render(results: list[dict], meta: dict) -> str:
     ddp = next((r for r in results if r["kind"] == "ddp" and r["status"] == "ok"), None)
     comp = next((r for r in results if r["kind"] == "compute" and r["status"] == "ok"), None)
@@ -391,11 +421,12 @@ def render(results: list[dict], meta: dict) -> str:
         f"Linear({meta['hidden']},{meta['dim']})] = {meta['params']:,} params, fp32, AdamW lr {meta['lr']}, "
         f"clip {meta['clip']}, micro-batch {meta['micro']}/rank, world {meta['world']} (gloo, 1 thread/rank), "
         f"{meta['warmup']} warm-up + {meta['steps']} timed steps, buckets {meta['bucket_elements']:,} elements.",
+        _provenance_line(meta.get("provenance", {})),
         f"Runtime baseline (process that imported torch, built nothing): {base:.0f} MiB RSS; after one tiny "
         f"forward/backward/AdamW step (lazy imports such as torch._dynamo): {meta['baseline_after_tiny_step_mib']:.0f} MiB.",
         "",
-        "| system | step ms | x compute-only | x DDP | peak RSS MiB | timed-steps peak MiB | theory MiB (+ baseline) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| system | step ms | x compute-only | x DDP | peak RSS MiB | timed-steps peak MiB | theory MiB (+ baseline) | other load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         w = r["world"]
@@ -403,13 +434,14 @@ def render(results: list[dict], meta: dict) -> str:
         fmt = ".0f" if theory >= 10 else ".2f"
         theory_s = f"{theory:{fmt}} (+{base:.0f} = {theory + base:{fmt}})"
         if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']}: {_short_error(r['error'])} | | | | | {theory_s} |")
+            lines.append(f"| {r['name']} | {r['status']}: {_short_error(r['error'])} | | | | | {theory_s} | |")
             continue
         ms = r["median_step_ms"]
         xc = f"{ms / comp['median_step_ms']:.2f}" if comp else "n/a"
         xd = f"{ms / ddp['median_step_ms']:.2f}" if ddp else "n/a"
         lines.append(
-            f"| {r['name']} | {ms:.1f} | {xc} | {xd} | {r['peak_rss_mib']:.0f} | {r['timed_peak_rss_mib']:.0f} | {theory_s} |"
+            f"| {r['name']} | {ms:.1f} | {xc} | {xd} | {r['peak_rss_mib']:.0f} | {r['timed_peak_rss_mib']:.0f} | "
+            f"{theory_s} | {r['foreign_cores']:.2f} |"
         )
     lines += [
         "",
@@ -417,7 +449,8 @@ def render(results: list[dict], meta: dict) -> str:
         "warm-up and timed steps (max over ranks); timed-steps peak: VmHWM reset after warm-up. theory: ZeRO "
         "model states (fp32 weights 4 + grads 4 + AdamW 8 bytes/param; stage 1: 4+4+8/W, stage 2: 4+(4+8)/W, "
         "stage 3 and FSDP2: 16/W; DDP and compute-only: 16). Activations, communication buffers and the "
-        "runtime baseline come on top.",
+        "runtime baseline come on top. other load: cores kept busy by processes outside the bench during the "
+        "timed steps (from /proc/stat); step times are only comparable where it is near 0.",
         "",
         "Cross-check (loss of the global batch, grad norm as the system reports it):",
         "",
@@ -434,6 +467,47 @@ def render(results: list[dict], meta: dict) -> str:
     lines.append("")
     lines.append("compute-only trains on rank 0's half of each global batch, so its losses differ from the others.")
     return "\n".join(lines)
+
+
+def source_provenance() -> dict:
+    """Which rayzero the ranks imported: git commit, whether rayzero/ differs from it, a hash of its sources.
+
+    Read-only git calls (``--no-optional-locks``: no index refresh).  The hash is taken before and after
+    the run; a difference means rayzero changed while the bench ran and the rows may mix versions.
+    """
+    import hashlib
+    import subprocess
+
+    try:
+        import rayzero
+
+        root = os.path.dirname(os.path.abspath(rayzero.__file__))
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    out = {"rayzero_path": root, "rayzero_sources_sha256": h.hexdigest()[:16]}
+    repo = os.path.dirname(root)
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "--no-optional-locks", "-C", repo, *args], capture_output=True, text=True,
+                              timeout=20)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode == 0:
+            out["git_commit"] = head.stdout.strip()
+            out["rayzero_dirty"] = git("diff", "--quiet", "HEAD", "--", "rayzero").returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -479,6 +553,7 @@ def main(argv=None) -> int:
         torch=torch.__version__, python=sys.version.split()[0], cpus=os.cpu_count(),
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
     )
+    meta["provenance"] = source_provenance()
     base, err = _spawn(_baseline_main, lambda r: (), 1, 60.0)
     meta["baseline_rss_mib"] = base[0]["hwm_mib"] if base else float("nan")
     meta["baseline_after_tiny_step_mib"] = base[0]["after_tiny_step_hwm_mib"] if base else float("nan")
@@ -500,6 +575,15 @@ def main(argv=None) -> int:
             print(r["error"], file=sys.stderr, flush=True)
         results.append(r)
 
+    after = source_provenance().get("rayzero_sources_sha256")
+    meta["provenance"]["sources_changed_during_run"] = after != meta["provenance"].get("rayzero_sources_sha256")
+    if meta["provenance"]["sources_changed_during_run"]:
+        print("[bench] WARNING: rayzero's sources changed while the bench ran; rows may mix versions. Re-run.",
+              file=sys.stderr, flush=True)
+    busy = [r["name"] for r in results if r["status"] == "ok" and r["foreign_cores"] > 0.25]
+    if busy:
+        print(f"[bench] WARNING: other processes used CPU during: {', '.join(busy)}; their step times are "
+              "inflated. Re-run on an idle machine.", file=sys.stderr, flush=True)
     print(render(results, meta))
     if a.json:
         for r in results:

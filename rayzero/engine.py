@@ -7,7 +7,9 @@ scaler (``optim/``), and torch's own optimizer running on the fp32 master partit
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Any, Iterable
 
 import torch
@@ -25,7 +27,11 @@ from rayzero.optim.loss_scaler import LossScaler
 from rayzero.topology import ParallelDims
 from rayzero.zero.partition import Partitions
 from rayzero.zero.stage12 import GradientReducer, WeightPublisher
+from rayzero.zero.init import materialize_frozen
 from rayzero.zero.stage3 import ParamGatherer
+
+
+logger = logging.getLogger("rayzero")
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -62,17 +68,22 @@ class Engine:
             )
         self._broadcast_from_rank0(model)
 
-        self.partitions = Partitions(groups, names, self.comm, partitioned=self.stage >= 1)
+        params = [p for g in groups for p in g["params"]]
+        device = params[0].device if params else self.accelerator.device()
+        self.partitions = Partitions(groups, names, self.comm, partitioned=self.stage >= 1, device=device)
         self.partitions.load_masters_from_params()
         with torch.no_grad():
             for p in model.parameters():
                 if p.dtype.is_floating_point and p.dtype != self.compute_dtype and not hasattr(p, "_rayzero_shard"):
                     p.data = p.data.to(self.compute_dtype)
+        for p in model.parameters():
+            if hasattr(p, "_rayzero_shard") and not p.requires_grad:
+                materialize_frozen(p, self.comm)  # frozen: not partitioned, so whole on every rank
         for p in self.partitions.all_params():
             if hasattr(p, "_rayzero_shard"):
                 # The fp32 shard now lives in the master partition; the stand-in becomes real storage
                 # (filled by the publisher for persistent parameters, released by the gatherer otherwise).
-                p.data = torch.empty(p.shape, dtype=self.compute_dtype)
+                p.data = torch.empty(p.shape, dtype=self.compute_dtype, device=device)
                 del p._rayzero_shard
 
         z = cfg.zero_optimization
@@ -84,7 +95,7 @@ class Engine:
                 self.comm,
                 self.compute_dtype,
                 z.stage3_param_persistence_threshold,
-                prefetch=z.overlap_comm,
+                prefetch=z.overlap_comm and z.stage3_prefetch_bucket_size > 0,
             )
         self.reducer = GradientReducer(
             self.partitions,
@@ -94,7 +105,13 @@ class Engine:
             cfg.comm_dtype,
             on_param_reduced=self.gatherer.on_param_reduced if self.gatherer else None,
         )
-        self.publisher = WeightPublisher(self.partitions, self.comm, z.allgather_bucket_size, self.compute_dtype)
+        self.publisher = WeightPublisher(
+            self.partitions,
+            self.comm,
+            z.allgather_bucket_size,
+            self.compute_dtype,
+            params=self.gatherer.persistent if self.gatherer is not None else None,
+        )
         # Stage 0 in fp32: the parameters themselves become views of the master, so the optimizer updates
         # them in place and there is nothing to publish (and no second fp32 copy of the weights).
         self._params_alias_master = self.stage == 0 and self.compute_dtype == torch.float32
@@ -103,8 +120,8 @@ class Engine:
                 for g in self.partitions.groups:
                     for p, e in zip(g.params, g.layout.entries):
                         p.data = self.partitions.master_shard(e)[: e.numel].view(e.shape)
-        if self.gatherer is not None and self.gatherer.persistent:
-            self.publisher.publish(only=self.gatherer.persistent)  # persistent params: compute dtype, whole
+        if self.gatherer is not None:
+            self.publisher.publish()  # stage 3's persistent parameters: whole, in the compute dtype
 
         self.optimizer = build_optimizer(
             cfg.optimizer, [dict(params=[g.master], **g.overrides) for g in self.partitions.groups]
@@ -117,6 +134,8 @@ class Engine:
         self.global_grad_norm: float | None = None
         self._manual_boundary: bool | None = None
         self._destroyed = False
+        # wall_clock_breakdown: seconds spent in forward / backward / step since the last report
+        self._timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
 
     # ---- set-up helpers --------------------------------------------------------------------------------
     @staticmethod
@@ -182,7 +201,10 @@ class Engine:
             # Floating-point inputs follow the compute dtype so users need not cast batches themselves.
             cast = lambda t: t.to(self.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        return self.module(*args, **kwargs)
+        start = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        self._timings["forward"] += time.perf_counter() - start
+        return out
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
@@ -190,6 +212,7 @@ class Engine:
         self.reducer.reduce_now = self.stage >= 2 or self.is_gradient_accumulation_boundary()
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
+        start = time.perf_counter()
         try:
             scaled.backward()
         finally:
@@ -197,6 +220,7 @@ class Engine:
             if self.gatherer is not None:
                 self.gatherer.release_all()
                 self.gatherer.end_first_step()
+            self._timings["backward"] += time.perf_counter() - start
 
     def step(self) -> None:
         """The optimizer step at an accumulation boundary; between boundaries only counts the micro-step."""
@@ -204,6 +228,7 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
+        start = time.perf_counter()
         if self.reducer.pending:  # boundary decided after the backward (manual boundaries): reduce now
             self.reducer.reduce_now = True
             self.reducer.flush()
@@ -225,15 +250,30 @@ class Engine:
                 g.master.grad = None
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-            if self.stage < 3:
-                if not self._params_alias_master:
-                    self.publisher.publish()
-            elif self.gatherer.persistent:
-                self.publisher.publish(only=self.gatherer.persistent)
+            if not self._params_alias_master:
+                self.publisher.publish()
             self.loss_scaler.update(overflow=False)
         self.partitions.zero_grads()
         self.global_steps += 1
         self.micro_steps += 1
+        self._timings["step"] += time.perf_counter() - start
+        self._report()
+
+    def _report(self) -> None:
+        """Every ``steps_per_print`` steps, rank 0 logs progress (and timings with wall_clock_breakdown)."""
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every or self.rank != 0:
+            return
+        msg = (
+            f"step {self.global_steps}: grad norm {self.global_grad_norm:.4g}, lr {self.get_lr()}, "
+            f"skipped {self.skipped_steps}"
+        )
+        if self.config.fp16.enabled:
+            msg += f", loss scale {self.loss_scaler.scale:g}"
+        if self.config.wall_clock_breakdown:
+            msg += ", ms/step " + ", ".join(f"{k} {1000 * v / every:.1f}" for k, v in self._timings.items())
+        logger.info(msg)
+        self._timings = dict.fromkeys(self._timings, 0.0)
 
     def _skip_or_raise(self, norm: float) -> None:
         step = self.global_steps + 1
@@ -242,6 +282,10 @@ class Engine:
             self.loss_scaler.update(overflow=True)
             return
         self.partitions.zero_grads()
+        # The window is spent: count it, so the next backward starts a fresh accumulation window.
+        self.skipped_steps += 1
+        self.global_steps += 1
+        self.micro_steps += 1
         raise NonFiniteGradientError(
             f"the global gradient norm is {norm} at step {step}; the step was not taken. Lower the learning "
             "rate, check the data and loss for inf/nan, or set \"nonfinite_grad\": \"skip\" to skip such steps"
@@ -249,6 +293,7 @@ class Engine:
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (the engine zeroes them itself after every step)."""
+        self.reducer.zero_local()
         self.partitions.zero_grads()
 
     # ---- results ---------------------------------------------------------------------------------------

@@ -220,3 +220,42 @@ def test_repeated_initialize_and_destroy_keeps_memory_flat():
     assert not [r for r in alive if r() is not None], "destroyed engines are still referenced"
     growth = (after - before) / before
     assert growth < 0.05, f"RSS grew {growth:.1%} over 20 initialize/destroy cycles ({before} -> {after} bytes)"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_grad_drops_gradients_accumulated_so_far(stage):
+    x = torch.randn(4, 3)
+
+    def trained(with_discarded_backward: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 5)
+        engine = rayzero.initialize(
+            model, {"zero_optimization": {"stage": stage}, "gradient_accumulation_steps": 2, "train_batch_size": 2}
+        )
+        if with_discarded_backward:
+            engine.backward(engine(x * 100).sum())
+            engine.zero_grad()
+        engine.set_gradient_accumulation_boundary(True)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        out = engine.full_state_dict()
+        engine.destroy()
+        return out
+
+    clean, discarded = trained(False), trained(True)
+    for name in clean:
+        assert torch.equal(clean[name], discarded[name]), name
+
+
+def test_frozen_parameters_built_under_zero_init_are_whole():
+    torch.manual_seed(5)
+    expected = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2)).state_dict()
+    with rayzero.zero_init(seed=5):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        model[0].requires_grad_(False)
+    engine = rayzero.initialize(model, {"zero_optimization": {"stage": 3}})
+    assert torch.equal(model[0].weight, expected["0.weight"])
+    got = engine.full_state_dict()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    engine.destroy()

@@ -27,6 +27,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed the flat-tensor collectives; older releases have only the previous names.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class Handle:
     """An in-flight collective.  ``wait()`` completes it (and runs any local finishing work) exactly once."""
 
@@ -64,13 +69,13 @@ class NativeTransport:
         if self.world == 1:
             out.copy_(rows[0])
             return Handle([])
-        return Handle([dist.reduce_scatter_single(out, rows.view(-1), group=self.group, async_op=True)])
+        return Handle([_reduce_scatter_flat(out, rows.view(-1), group=self.group, async_op=True)])
 
     def all_gather(self, rows: torch.Tensor, mine: torch.Tensor) -> Handle:
         if self.world == 1:
             rows[0].copy_(mine)
             return Handle([])
-        return Handle([dist.all_gather_single(rows.view(-1), mine, group=self.group, async_op=True)])
+        return Handle([_all_gather_flat(rows.view(-1), mine, group=self.group, async_op=True)])
 
     def all_reduce(self, tensor: torch.Tensor) -> Handle:
         if self.world == 1:

@@ -58,6 +58,11 @@ class _ShardState:
         del p._rayzero_shard
 
 
+def materialize_frozen(p: torch.nn.Parameter, comm: Communicator) -> None:
+    """Make a parameter sharded by zero_init whole again (frozen parameters are not partitioned)."""
+    _ShardState(comm).materialize(p)
+
+
 class _GatherOnUse(TorchFunctionMode):
     """Any torch call that touches a sharded parameter sees it whole, and re-shards it after."""
 

@@ -28,8 +28,11 @@ class Partitions:
         names: dict[torch.nn.Parameter, str],
         comm: Communicator,
         partitioned: bool,
+        device: torch.device | None = None,
     ):
         self.comm = comm
+        # Partitions live where the model computes (the accelerator), masters included.
+        self.device = device if device is not None else torch.device("cpu")
         # Stage 0 lays every group out over a world of one: the rank owns the whole group.
         self.world = comm.world if partitioned else 1
         self.rank = comm.rank if partitioned else 0
@@ -39,8 +42,8 @@ class Partitions:
         for gi, group in enumerate(param_groups):
             params = list(group["params"])
             layout = GroupLayout.build(gi, [(names[p], p) for p in params], self.world)
-            master = torch.zeros(layout.partition_numel, dtype=torch.float32)
-            grad = torch.zeros(layout.partition_numel, dtype=torch.float32)
+            master = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.device)
+            grad = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.device)
             overrides = {k: v for k, v in group.items() if k != "params"}
             self.groups.append(GroupPartition(layout, params, master, grad, overrides))
             for p, e in zip(params, layout.entries):
@@ -82,7 +85,7 @@ class Partitions:
 
     def local_grad_sq_sum(self) -> torch.Tensor:
         """Sum of squares of this rank's gradient partitions, in fp32."""
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in self.groups:
             if g.grad.numel():
                 total += torch.dot(g.grad, g.grad)
@@ -94,8 +97,8 @@ class Partitions:
         shard = self.master_shard(entry) if source == "master" else self.grad_shard(entry)
         if self.world == 1:
             return shard[: entry.numel].clone().view(entry.shape)
-        rows = torch.empty((self.world, entry.chunk), dtype=torch.float32)
+        rows = torch.empty((self.world, entry.chunk), dtype=torch.float32, device=self.device)
         self.comm.all_gather(rows, shard.contiguous()).wait()
-        flat = torch.empty(entry.numel, dtype=torch.float32)
+        flat = torch.empty(entry.numel, dtype=torch.float32, device=self.device)
         copy_from_rows(flat, rows, 0, entry.chunk)
         return flat.view(entry.shape)

@@ -88,6 +88,8 @@ def _bucket(g: GroupPartition, members: list[tuple[ParamEntry, torch.nn.Paramete
 class GradientReducer:
     """Moves gradients from backward into the fp32 gradient partitions, in buckets."""
 
+    MAX_INFLIGHT = 2
+
     def __init__(
         self,
         partitions: Partitions,
@@ -116,7 +118,8 @@ class GradientReducer:
                 if stage == 0:
                     b.rows = b.group.grad[b.part_slice].view(1, b.cols)
                 else:
-                    b.rows = torch.zeros((self.world, b.cols), dtype=torch.float32)
+                    b.rows = torch.zeros((self.world, b.cols), dtype=torch.float32, device=partitions.device)
+        self._inflight: list[Bucket] = []
         self.reduce_now = True  # set per backward: reduce in this backward (boundary) or only accumulate
         self.pending = False  # some gradients are in buckets but not yet in the partition
         self._next_launch = 0
@@ -137,7 +140,7 @@ class GradientReducer:
                 "re-use of a parameter after its gradient is complete)"
             )
         if b.rows is None:
-            b.rows = torch.zeros((self.world, b.cols), dtype=self._bucket_dtype())
+            b.rows = self._new_rows(b)
         flat = grad.reshape(-1)
         if self.predivide and not self.accumulate_locally:
             flat = flat / self.world
@@ -157,6 +160,9 @@ class GradientReducer:
     def _bucket_dtype(self) -> torch.dtype:
         return torch.float32 if self.accumulate_locally else self.comm_dtype
 
+    def _new_rows(self, b: Bucket) -> torch.Tensor:
+        return torch.zeros((self.world, b.cols), dtype=self._bucket_dtype(), device=self.partitions.device)
+
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
             b = self.buckets[self._next_launch]
@@ -167,7 +173,7 @@ class GradientReducer:
 
     def _launch(self, b: Bucket) -> None:
         if b.rows is None:  # no parameter of this bucket got a gradient: it contributes zeros
-            b.rows = torch.zeros((self.world, b.cols), dtype=self._bucket_dtype())
+            b.rows = self._new_rows(b)
         send = b.rows
         if send.dtype != self.comm_dtype:
             send = (send / self.world if self.predivide else send).to(self.comm_dtype)
@@ -175,36 +181,48 @@ class GradientReducer:
         if self.stage == 0:
             b.handle = self.comm.all_reduce(send)
         else:
-            b.out = torch.empty(b.cols, dtype=self.comm_dtype)
+            b.out = torch.empty(b.cols, dtype=self.comm_dtype, device=self.partitions.device)
             b.handle = self.comm.reduce_scatter(b.out, send)
         b.launched = True
+        self._inflight.append(b)
+        # Bound what is in flight, so bucket buffers (and the transport's receive buffers) are freed as
+        # backward goes on: at most MAX_INFLIGHT buckets' worth of gradient exists beyond the partitions.
+        while len(self._inflight) > self.MAX_INFLIGHT:
+            self._settle(self._inflight.pop(0))
+
+    def _settle(self, b: Bucket) -> None:
+        b.handle.wait()
+        if self.stage == 0:
+            if b.send is not b.rows:
+                b.rows[0].copy_(b.send[0])
+        else:
+            b.group.grad[b.part_slice].add_(b.out)
+        b.handle = b.out = b.send = None
+        if self.stage == 1:
+            b.rows.zero_()
+        elif self.stage >= 2:
+            b.rows = None  # the full-size gradient dies with its bucket
 
     @torch.no_grad()
     def flush(self) -> None:
         """End of a backward: reduce what is left (if this is a reducing backward) and settle buckets."""
-        if not self.reduce_now:
-            for b in self.buckets:  # readiness is per backward; the gradients stay in the local buffers
-                b.ready.clear()
-            return
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
-            self._next_launch += 1
-        for b in self.buckets:
-            b.handle.wait()
-            grad_slice = b.group.grad[b.part_slice]
-            if self.stage == 0:
-                if b.send is not b.rows:
-                    b.rows[0].copy_(b.send[0])
-            else:
-                grad_slice.add_(b.out)
-            b.handle = b.out = b.send = None
-            b.launched = False
+        if self.reduce_now:
+            while self._next_launch < len(self.buckets):
+                self._launch(self.buckets[self._next_launch])
+                self._next_launch += 1
+            while self._inflight:
+                self._settle(self._inflight.pop(0))
+            self._next_launch = 0
+            self.pending = False
+        for b in self.buckets:  # readiness is per backward; unreduced gradients stay in the local buffers
             b.ready.clear()
-            if self.stage == 1:
+            b.launched = False
+
+    def zero_local(self) -> None:
+        """Drop gradients accumulated locally but not yet reduced (stages 0 and 1)."""
+        if self.accumulate_locally:
+            for b in self.buckets:
                 b.rows.zero_()
-            elif self.stage >= 2:
-                b.rows = None  # the full-size gradient dies with its bucket
-        self._next_launch = 0
         self.pending = False
 
     def grad_scale(self) -> float:
@@ -220,30 +238,66 @@ class GradientReducer:
 
 
 class WeightPublisher:
-    """After a step, copies the updated fp32 masters into the model's compute-dtype parameters."""
+    """After a step, copies the updated fp32 masters into the model's compute-dtype parameters.
 
-    def __init__(self, partitions: Partitions, comm: Communicator, bucket_elements: int, compute_dtype: torch.dtype):
+    ``params`` restricts it to a subset (stage 3 refreshes only its persistent parameters): their shards
+    are packed into one send buffer per bucket, so only their elements travel.
+    """
+
+    MAX_INFLIGHT = 2
+
+    def __init__(
+        self,
+        partitions: Partitions,
+        comm: Communicator,
+        bucket_elements: int,
+        compute_dtype: torch.dtype,
+        params: set[torch.nn.Parameter] | None = None,
+    ):
         self.partitions = partitions
         self.comm = comm
         self.compute_dtype = compute_dtype
-        self.buckets = list(reversed(make_buckets(partitions, bucket_elements)))
+        self.buckets: list[list[tuple[ParamEntry, torch.nn.Parameter]]] = []
+        current, size = [], 0
+        for p in partitions.all_params():
+            if params is not None and p not in params:
+                continue
+            e = partitions.entry_of[p]
+            if current and size + e.padded_numel > bucket_elements:
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append((e, p))
+            size += e.padded_numel
+        if current:
+            self.buckets.append(current)
 
     @torch.no_grad()
-    def publish(self, only: set[torch.nn.Parameter] | None = None) -> None:
+    def publish(self) -> None:
         world = self.partitions.world
-        inflight = []
-        for b in self.buckets:
-            members = [(e, p) for e, p in zip(b.entries, b.params) if only is None or p in only]
-            if not members:
-                continue
+        device = self.partitions.device
+        inflight: list = []
+        for members in self.buckets:
             if world == 1:
                 for e, p in members:
                     p.data.view(-1).copy_(self.partitions.master_shard(e)[: e.numel])
                 continue
-            mine = b.group.master[b.part_slice].to(self.compute_dtype)
-            rows = torch.empty((world, b.cols), dtype=self.compute_dtype)
-            inflight.append((b, members, rows, self.comm.all_gather(rows, mine)))
-        for b, members, rows, handle in inflight:
-            handle.wait()
-            for e, p in members:
-                copy_from_rows(p.data.view(-1), rows, b.col_of[e.index_in_group], e.chunk)
+            cols = sum(e.chunk for e, _ in members)
+            mine = torch.empty(cols, dtype=self.compute_dtype, device=device)
+            col = 0
+            for e, _ in members:
+                mine[col : col + e.chunk].copy_(self.partitions.master_shard(e))
+                col += e.chunk
+            rows = torch.empty((world, cols), dtype=self.compute_dtype, device=device)
+            inflight.append((members, rows, self.comm.all_gather(rows, mine)))
+            while len(inflight) > self.MAX_INFLIGHT:
+                self._unpack(*inflight.pop(0))
+        while inflight:
+            self._unpack(*inflight.pop(0))
+
+    @staticmethod
+    def _unpack(members, rows: torch.Tensor, handle: Handle) -> None:
+        handle.wait()
+        col = 0
+        for e, p in members:
+            copy_from_rows(p.data.view(-1), rows, col, e.chunk)
+            col += e.chunk

@@ -48,7 +48,7 @@ class ParamGatherer:
         self.persistent = {p for p in params if p.numel() <= persistence_threshold}
         self.managed = [p for p in params if p not in self.persistent]
         self.managed_set = set(self.managed)
-        self._placeholder = torch.empty(0, dtype=compute_dtype)
+        self._placeholder = torch.empty(0, dtype=compute_dtype, device=partitions.device)
         for p in self.managed:
             self._free(p)
         for p in self.persistent:
@@ -82,11 +82,11 @@ class ParamGatherer:
         for p in members:
             col_of[p] = cols
             cols += self.partitions.entry_of[p].chunk
-        mine = torch.empty(cols, dtype=self.compute_dtype)
+        mine = torch.empty(cols, dtype=self.compute_dtype, device=self.partitions.device)
         for p in members:
             e = self.partitions.entry_of[p]
             mine[col_of[p] : col_of[p] + e.chunk].copy_(self.partitions.master_shard(e))
-        rows = torch.empty((self.world, cols), dtype=self.compute_dtype)
+        rows = torch.empty((self.world, cols), dtype=self.compute_dtype, device=self.partitions.device)
         self.inflight[id(unit)] = (self.comm.all_gather(rows, mine), rows, members, col_of)
 
     def _complete(self, unit: Unit) -> None:
@@ -99,7 +99,7 @@ class ParamGatherer:
             if p in self.gathered:  # gathered meanwhile through another unit that shares it
                 continue
             e = self.partitions.entry_of[p]
-            padded = torch.empty((self.world, e.chunk), dtype=self.compute_dtype)
+            padded = torch.empty((self.world, e.chunk), dtype=self.compute_dtype, device=self.partitions.device)
             padded.copy_(rows[:, col_of[p] : col_of[p] + e.chunk])
             p.data = padded.view(-1)[: e.numel].view(e.shape)
             self.gathered.add(p)
