@@ -375,8 +375,9 @@ def run_system(spec: dict, a: argparse.Namespace) -> dict:
         peak_rss_mib=max(r["peak_rss_mib"] for r in ranks),
         timed_peak_rss_mib=max(r["hwm_timed_mib"] for r in ranks),
         # cores kept busy during the timed steps by anything other than these ranks: should be ~0
+        # (None when the timed steps are too short for /proc/stat's 10 ms ticks to say anything)
         foreign_cores=max(0.0, (ranks[0]["timed_machine_busy_s"] - sum(r["timed_own_cpu_s"] for r in ranks))
-                          / ranks[0]["timed_wall_s"]),
+                          / ranks[0]["timed_wall_s"]) if ranks[0]["timed_wall_s"] >= 1.0 else None,
         losses=ranks[0]["losses"],
         grad_norms=ranks[0]["grad_norms"],
     )
@@ -441,7 +442,7 @@ def render(results: list[dict], meta: dict) -> str:
         xd = f"{ms / ddp['median_step_ms']:.2f}" if ddp else "n/a"
         lines.append(
             f"| {r['name']} | {ms:.1f} | {xc} | {xd} | {r['peak_rss_mib']:.0f} | {r['timed_peak_rss_mib']:.0f} | "
-            f"{theory_s} | {r['foreign_cores']:.2f} |"
+            f"{theory_s} | {'-' if r['foreign_cores'] is None else format(r['foreign_cores'], '.2f')} |"
         )
     lines += [
         "",
@@ -580,7 +581,7 @@ def main(argv=None) -> int:
     if meta["provenance"]["sources_changed_during_run"]:
         print("[bench] WARNING: rayzero's sources changed while the bench ran; rows may mix versions. Re-run.",
               file=sys.stderr, flush=True)
-    busy = [r["name"] for r in results if r["status"] == "ok" and r["foreign_cores"] > 0.25]
+    busy = [r["name"] for r in results if r["status"] == "ok" and (r["foreign_cores"] or 0.0) > 0.25]
     if busy:
         print(f"[bench] WARNING: other processes used CPU during: {', '.join(busy)}; their step times are "
               "inflated. Re-run on an idle machine.", file=sys.stderr, flush=True)
