@@ -409,7 +409,8 @@ def _provenance_line(p: dict) -> str:
         line += " + uncommitted changes in rayzero/"
     line += f", sources sha256 {p['rayzero_sources_sha256']}; torch {torch.__version__}."
     if p.get("sources_changed_during_run"):
-        line += " WARNING: rayzero changed during the run; rows may mix versions."
+        line += (f" WARNING: rayzero changed during the run (sources sha256 {p.get('rayzero_sources_sha256_after')} "
+                 "at the end); rows may mix versions.")
     return line
 
 
@@ -577,6 +578,7 @@ def main(argv=None) -> int:
         results.append(r)
 
     after = source_provenance().get("rayzero_sources_sha256")
+    meta["provenance"]["rayzero_sources_sha256_after"] = after
     meta["provenance"]["sources_changed_during_run"] = after != meta["provenance"].get("rayzero_sources_sha256")
     if meta["provenance"]["sources_changed_during_run"]:
         print("[bench] WARNING: rayzero's sources changed while the bench ran; rows may mix versions. Re-run.",

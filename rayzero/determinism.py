@@ -8,7 +8,8 @@ What it does, on every rank:
   deterministic implementation, rather than run them nondeterministically), and on CUDA sets
   ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` and turns cuDNN benchmarking off;
 * fixes rayzero's own reduction order: gradient buckets are launched in a fixed order on every rank, and
-  reductions run through the pairwise transport, which adds the ranks' contributions in rank order.
+  every reduction (gradient buckets, stage 0's all-reduce, the global norm) runs through the ordered
+  transport, which adds the ranks' contributions in rank order.
 
 What it promises: the same config, world size, model code, data order and software versions give bitwise
 identical weights, losses and gradient norms on every run.

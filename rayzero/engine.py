@@ -53,7 +53,7 @@ class Engine:
         self.stage = cfg.zero_optimization.stage
         self.compute_dtype = cfg.compute_dtype
         self.module = model
-        transport = "pairwise" if cfg.deterministic else "auto"
+        transport = "ordered" if cfg.deterministic else "auto"
         self.comm = Communicator.for_group(None, transport=transport)
 
         groups = self._param_groups(model, model_parameters)

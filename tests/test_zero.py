@@ -84,15 +84,17 @@ def test_unused_parameters_and_param_groups():
     assert not torch.equal(results[0]["state"]["spare.weight"], reference_run(0, GLOBAL_BATCH, unused=True)["state"]["spare.weight"])
 
 
-def _deterministic_cases() -> list[dict]:
+def _deterministic_cases(world: int) -> list[dict]:
     return [
-        dict(stage=s, steps=20, global_batch=8, deterministic=True, model_kw={"dropout": 0.1}) for s in range(4)
+        dict(stage=s, steps=20, global_batch=4 * world, deterministic=True, model_kw={"dropout": 0.1})
+        for s in range(4)
     ]
 
 
-def test_deterministic_policy_is_bitwise_reproducible():
-    first = run_distributed(run_cases, 2, _deterministic_cases())[0]
-    second = run_distributed(run_cases, 2, _deterministic_cases())[0]
+@pytest.mark.parametrize("world", [2, 3])
+def test_deterministic_policy_is_bitwise_reproducible(world):
+    first = run_distributed(run_cases, world, _deterministic_cases(world))[0]
+    second = run_distributed(run_cases, world, _deterministic_cases(world))[0]
     for stage, (a, b) in enumerate(zip(first, second)):
         assert a["losses"] == b["losses"], f"stage {stage}: losses differ between runs"
         assert a["norms"] == b["norms"], f"stage {stage}: grad norms differ between runs"

@@ -140,6 +140,28 @@ class PairwiseTransport(NativeTransport):
         return Handle(self._p2p(ops, self._tag()))
 
 
+class OrderedTransport(PairwiseTransport):
+    """Pairwise transport whose all-reduce is a reduce-scatter plus an all-gather, so that every sum in
+    rayzero (gradients, norms) is taken in rank order: the deterministic policy's transport."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> Handle:
+        if self.world == 1:
+            return Handle([])
+        n, w = tensor.numel(), self.world
+        chunk = -(-n // w)
+        rows = torch.zeros((w, chunk), dtype=tensor.dtype, device=tensor.device)
+        rows.view(-1)[:n].copy_(tensor.reshape(-1))
+        mine = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
+        scatter = self.reduce_scatter(mine, rows)
+
+        def finish() -> None:
+            scatter.wait()
+            self.all_gather(rows, mine).wait()
+            tensor.view(-1).copy_(rows.view(-1)[:n])
+
+        return Handle([], finish)
+
+
 @dataclass
 class Communicator:
     """Collectives over one process group, through the transport that suits its backend."""
@@ -160,10 +182,12 @@ class Communicator:
             transport = "pairwise" if backend == "gloo" else "native"
         if transport == "pairwise":
             impl: Transport = PairwiseTransport(group, rank, world)
+        elif transport == "ordered":
+            impl = OrderedTransport(group, rank, world)
         elif transport == "native":
             impl = NativeTransport(group, rank, world)
         else:
-            raise ValueError(f"unknown transport {transport!r}; use 'auto', 'native' or 'pairwise'")
+            raise ValueError(f"unknown transport {transport!r}; use 'auto', 'native', 'pairwise' or 'ordered'")
         return Communicator(group, rank, world, impl)
 
     def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor) -> Handle:
