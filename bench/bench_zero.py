@@ -107,6 +107,11 @@ def _float(t) -> float:
     return float(t)
 
 
+def adamw_kwargs(a) -> dict:
+    """AdamW settings shared by every system: lr, and torch's fused kernel only when --adam-fused asks."""
+    return {"lr": a.lr, "fused": True} if a.adam_fused else {"lr": a.lr}
+
+
 def _plain_step(model, opt, clip):
     mse = torch.nn.functional.mse_loss
 
@@ -122,7 +127,7 @@ def _plain_step(model, opt, clip):
 
 
 def setup_compute_only(model, a, world):
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(a))
     return _plain_step(model, opt, a.clip), lambda: None
 
 
@@ -130,7 +135,7 @@ def setup_ddp(model, a, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(model, bucket_cap_mb=a.bucket_elements * 4 / MIB)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=a.lr)
+    opt = torch.optim.AdamW(ddp.parameters(), **adamw_kwargs(a))
     return _plain_step(ddp, opt, a.clip), lambda: None
 
 
@@ -142,7 +147,7 @@ def setup_fsdp2(model, a, world, reshard_after_forward: bool):
     for block in model:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(a))
     return _plain_step(model, opt, a.clip), lambda: None
 
 
@@ -157,7 +162,7 @@ def zero_config(a, world: int, stage: int) -> dict:
             "stage3_param_persistence_threshold": a.persistence_threshold,
             "overlap_comm": True,
         },
-        "optimizer": {"type": "AdamW", "params": {"lr": a.lr}},
+        "optimizer": {"type": "AdamW", "params": adamw_kwargs(a)},
         "gradient_clipping": a.clip,
     }
 
@@ -422,7 +427,8 @@ def render(results: list[dict], meta: dict) -> str:
         f"Workload: {meta['blocks']} x [Linear({meta['dim']},{meta['hidden']}) -> GELU -> "
         f"Linear({meta['hidden']},{meta['dim']})] = {meta['params']:,} params, fp32, AdamW lr {meta['lr']}, "
         f"clip {meta['clip']}, micro-batch {meta['micro']}/rank, world {meta['world']} (gloo, 1 thread/rank), "
-        f"{meta['warmup']} warm-up + {meta['steps']} timed steps, buckets {meta['bucket_elements']:,} elements.",
+        f"{meta['warmup']} warm-up + {meta['steps']} timed steps, buckets {meta['bucket_elements']:,} elements"
+        f"{', AdamW fused=True' if meta['adam_fused'] else ''}.",
         _provenance_line(meta.get("provenance", {})),
         f"Runtime baseline (process that imported torch, built nothing): {base:.0f} MiB RSS; after one tiny "
         f"forward/backward/AdamW step (lazy imports such as torch._dynamo): {meta['baseline_after_tiny_step_mib']:.0f} MiB.",
@@ -524,6 +530,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-elements", type=int, default=None,
                    help="reduce/all-gather bucket size in elements for rayzero and DeepSpeed, and DDP's "
                         "bucket_cap_mb (x4 bytes); default 6,553,600 = DDP's 25 MiB")
+    p.add_argument("--adam-fused", action="store_true",
+                   help="AdamW(fused=True) in every system (default: torch's default implementation)")
     a = p.parse_args(argv)
     if a.quick:
         a.dim, a.hidden, a.blocks = 32, 128, 2
@@ -551,7 +559,7 @@ def main(argv=None) -> int:
     meta = dict(
         dim=a.dim, hidden=a.hidden, blocks=a.blocks, params=param_count(a.dim, a.hidden, a.blocks), lr=a.lr,
         clip=a.clip, micro=a.micro, world=a.world, warmup=a.warmup, steps=a.steps, quick=a.quick,
-        bucket_elements=a.bucket_elements, persistence_threshold=a.persistence_threshold,
+        bucket_elements=a.bucket_elements, persistence_threshold=a.persistence_threshold, adam_fused=a.adam_fused,
         torch=torch.__version__, python=sys.version.split()[0], cpus=os.cpu_count(),
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
     )
