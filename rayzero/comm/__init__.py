@@ -108,21 +108,20 @@ class PairwiseTransport(NativeTransport):
             out.copy_(rows[0])
             return Handle([])
         r, w = self.rank, self.world
-        received = torch.empty((w, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+        peers = [p for p in range(w) if p != r]
+        received = torch.empty((w - 1, rows.shape[1]), dtype=rows.dtype, device=rows.device)
         ops = []
-        for peer in range(w):
-            if peer != r:
-                ops.append((dist.isend, rows[peer], peer))
-                ops.append((dist.irecv, received[peer], peer))
+        for i, peer in enumerate(peers):
+            ops.append((dist.isend, rows[peer], peer))
+            ops.append((dist.irecv, received[i], peer))
         works = self._p2p(ops, self._tag())
 
         def finish() -> None:
-            received[r].copy_(rows[r])
-            # Sum in rank order so every run, and every rank that owns a row, adds the same way.
-            if out.dtype == received.dtype:
-                torch.sum(received, dim=0, out=out)
-            else:
-                out.copy_(received.sum(0))
+            # Add in rank order, so every run (and every rank that owns a row) sums the same way.
+            parts = [rows[r] if j == r else received[j if j < r else j - 1] for j in range(w)]
+            out.copy_(parts[0])
+            for part in parts[1:]:
+                out.add_(part)
 
         return Handle(works, finish)
 
