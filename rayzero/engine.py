@@ -7,9 +7,11 @@ scaler (``optim/``), and torch's own optimizer running on the fp32 master partit
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import time
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -17,6 +19,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from rayzero.accelerator import get_accelerator
+from rayzero.checkpoint.engine_io import CheckpointIO
+from rayzero.checkpoint.engine_io import load as checkpoint_load
+from rayzero.checkpoint.format import CheckpointError
 from rayzero.comm import Communicator, init_distributed
 from rayzero.config import Config, ConfigError, OptimizerConfig
 from rayzero.determinism import apply_deterministic_policy
@@ -32,6 +37,14 @@ from rayzero.zero.stage3 import ParamGatherer
 
 
 logger = logging.getLogger("rayzero")
+_live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_saves_at_exit() -> None:
+    """A save still writing in the background completes before the process exits."""
+    for engine in list(_live_engines):
+        engine._checkpoint.wait_local()
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -131,11 +144,15 @@ class Engine:
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.global_samples = 0  # samples consumed by optimizer steps, across all ranks
         self.global_grad_norm: float | None = None
+        self.load_report: list[str] = []
         self._manual_boundary: bool | None = None
         self._destroyed = False
         # wall_clock_breakdown: seconds spent in forward / backward / step since the last report
         self._timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self._checkpoint = CheckpointIO(self)
+        _live_engines.add(self)
 
     # ---- set-up helpers --------------------------------------------------------------------------------
     def _optimizer_config(self) -> OptimizerConfig:
@@ -266,6 +283,7 @@ class Engine:
         self.partitions.zero_grads()
         self.global_steps += 1
         self.micro_steps += 1
+        self.global_samples += self.batch.train_batch_size
         self._timings["step"] += time.perf_counter() - start
         self._report()
 
@@ -330,6 +348,44 @@ class Engine:
         order = list(self.module.state_dict(keep_vars=True).keys())
         return {k: out[k] for k in order if k in out}
 
+    # ---- checkpoints -----------------------------------------------------------------------------------
+    def save_checkpoint(
+        self, save_dir: str, tag: str | None = None, client_state: Any = None, async_save: bool = False
+    ) -> str:
+        """Save a universal checkpoint under ``save_dir/tag`` (every rank writes its own fragments).
+
+        ``save_dir`` is a local path or a pyarrow.fs URI.  ``async_save`` snapshots the fragments to CPU
+        memory and writes them on a background thread; the next save, ``load_checkpoint``, ``destroy`` or
+        process exit waits for it, and a failed background write raises there.  Returns the tag.
+        """
+        self._check_alive()
+        return self._checkpoint.save(save_dir, tag, client_state, async_save)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, strict: bool = True) -> Any:
+        """Load a universal checkpoint saved at any world size and stage; returns its ``client_state``.
+
+        ``tag`` defaults to the one ``save_dir/latest`` names.  With ``strict=False`` parameters that do
+        not match are left as they are and listed in ``self.load_report``.
+        """
+        self._check_alive()
+        self._checkpoint.wait()
+        self.reducer.zero_local()
+        self.partitions.zero_grads()
+        error = None
+        try:
+            client_state, self.load_report = checkpoint_load(self, load_dir, tag, strict)
+        except Exception as e:  # every rank must agree before anyone continues
+            error = e
+        failed = torch.tensor([1.0 if error is not None else 0.0])
+        self.comm.sum_scalar(failed)
+        if error is not None:
+            raise error
+        if failed.item() > 0:
+            raise CheckpointError("loading the checkpoint failed on another rank (see its error)")
+        if not self._params_alias_master:
+            self.publisher.publish()
+        return client_state
+
     # ---- tear-down -------------------------------------------------------------------------------------
     def _check_alive(self) -> None:
         if self._destroyed:
@@ -342,6 +398,8 @@ class Engine:
         """
         if self._destroyed:
             return
+        self._checkpoint.wait()
+        _live_engines.discard(self)
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()

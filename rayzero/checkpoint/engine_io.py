@@ -1,0 +1,485 @@
+"""Save an Engine's state as a universal checkpoint, and load one into an Engine of any world size or stage.
+
+What a rank saves: for every partitioned parameter, the element range it owns (stages 1-3: its shard;
+stage 0, where every rank holds everything, an even 1/world slice so the writing is still shared) of the
+fp32 master and of every optimizer state tensor the optimizer keeps; rank 0 adds buffers and frozen
+parameters whole.  What a rank loads: for each of its own ranges, the overlapping pieces of the saved
+fragments, whatever world size and stage wrote them.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rayzero.checkpoint.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    STATE_MASTER,
+    CheckpointError,
+    Fragment,
+    FragmentFile,
+    dtype_name,
+    parse_manifest,
+    rank_file_name,
+)
+from rayzero.checkpoint.storage import Storage
+from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_dir, write_rank
+
+if TYPE_CHECKING:
+    from rayzero.engine import Engine
+
+STATE_WHOLE = "whole"  # buffers and frozen parameters, saved whole by rank 0
+
+
+# ---- what a rank holds ---------------------------------------------------------------------------------
+def _local_range(engine: "Engine", entry) -> tuple[int, int]:
+    return entry.owner_range(engine.partitions.rank)
+
+
+def _save_range(engine: "Engine", entry) -> tuple[int, int]:
+    """The slice this rank writes: its owned range, split evenly across ranks where all ranks own all."""
+    lo, hi = _local_range(engine, entry)
+    if engine.partitions.partitioned:
+        return lo, hi
+    world, rank = engine.comm.world, engine.comm.rank
+    chunk = -(-entry.numel // world)
+    return min(rank * chunk, entry.numel), min((rank + 1) * chunk, entry.numel)
+
+
+def _tensor_states(engine: "Engine") -> dict[int, dict[str, torch.Tensor]]:
+    """Per group: the optimizer's state tensors shaped like the master partition."""
+    out = {}
+    for gi, g in enumerate(engine.partitions.groups):
+        state = engine.optimizer.state.get(g.master, {})
+        out[gi] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == g.master.shape}
+    return out
+
+
+def _scalar_states(engine: "Engine") -> dict[int, dict[str, dict]]:
+    out = {}
+    for gi, g in enumerate(engine.partitions.groups):
+        found = {}
+        for k, v in engine.optimizer.state.get(g.master, {}).items():
+            if torch.is_tensor(v) and v.numel() == 1 and v.shape != g.master.shape:
+                found[k] = {"kind": "tensor", "value": v.item(), "dtype": dtype_name(v.dtype)}
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                found[k] = {"kind": type(v).__name__, "value": v}
+        out[gi] = found
+    return out
+
+
+def snapshot(engine: "Engine", copy: bool) -> list[Fragment]:
+    """This rank's fragments (cloned to CPU memory when ``copy``, for a save that overlaps training)."""
+    frags: list[Fragment] = []
+    take = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().to("cpu"))
+    states = _tensor_states(engine)
+    for gi, g in enumerate(engine.partitions.groups):
+        for e in g.layout.entries:
+            lo, hi = _local_range(engine, e)
+            s0, s1 = _save_range(engine, e)
+            if s1 <= s0:
+                continue
+            a, b = e.partition_offset + s0 - lo, e.partition_offset + s1 - lo
+            frags.append(Fragment(e.name, STATE_MASTER, s0, s1, take(g.master[a:b])))
+            for name, flat in states[gi].items():
+                frags.append(Fragment(e.name, name, s0, s1, take(flat[a:b])))
+    if engine.rank == 0:
+        for name, t in _whole_tensors(engine).items():
+            frags.append(Fragment(name, STATE_WHOLE, 0, t.numel(), take(t.reshape(-1))))
+    return frags
+
+
+def _whole_tensors(engine: "Engine") -> dict[str, torch.Tensor]:
+    partitioned = set(engine.partitions.entry_of)
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if p not in partitioned:
+            out[name] = p.data
+    for name, b in engine.module.named_buffers():
+        out[name] = b.data
+    return out
+
+
+def _rng_state() -> dict:
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    version, internal, gauss = random.getstate()
+    state["python"] = [version, list(internal), gauss]
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _rederive_rng(seed: int, step: int, rank: int) -> None:
+    """A new world size has new ranks: derive each rank's streams from (seed, step, rank), reproducibly."""
+    digest = hashlib.sha256(f"rayzero-rng:{seed}:{step}:{rank}".encode()).digest()
+    value = int.from_bytes(digest[:7], "little")
+    torch.manual_seed(value)
+    random.seed(value)
+    try:
+        import numpy as np
+
+        np.random.seed(value % (2**32))
+    except ImportError:
+        pass
+
+
+def _jsonable(value: Any, where: str) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where} must be JSON-serializable (no pickle in checkpoints): {e}") from None
+
+
+def _group_hparams(group: dict) -> dict:
+    out = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if torch.is_tensor(v):
+            v = v.item()
+        if isinstance(v, tuple):
+            v = list(v)
+        if isinstance(v, (int, float, str, bool, list)) or v is None:
+            out[k] = v
+    return out
+
+
+def build_manifest(engine: "Engine", tag: str, client_state: Any) -> dict:
+    """Everything but the per-rank parts (``rng``, ``files``), which the commit adds from the markers."""
+    names_of: dict[int, list[str]] = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    params = []
+    for gi, g in enumerate(engine.partitions.groups):
+        for p, e in zip(g.params, g.layout.entries):
+            params.append(
+                {
+                    "name": e.name,
+                    "aliases": [n for n in names_of.get(id(p), []) if n != e.name],
+                    "shape": list(e.shape),
+                    "dtype": dtype_name(p.dtype),
+                    "numel": e.numel,
+                    "group": gi,
+                }
+            )
+    whole = [
+        {"name": n, "shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in _whole_tensors(engine).items()
+    ]
+    scalar = _scalar_states(engine)
+    groups = []
+    for gi, (g, group) in enumerate(zip(engine.partitions.groups, engine.optimizer.param_groups)):
+        groups.append({"params": [e.name for e in g.layout.entries], **_group_hparams(group), "state": scalar[gi]})
+    cfg = engine.config
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "tag": tag,
+        "created_unix": time.time(),
+        "world_size": engine.world_size,
+        "stage": engine.stage,
+        "topology": {"dp": engine.topology.dp, "tp": engine.topology.tp, "ep": engine.topology.ep},
+        "compute_dtype": dtype_name(engine.compute_dtype),
+        "params": params,
+        "whole": whole,
+        "optimizer": {
+            "type": type(engine.optimizer).__name__,
+            "state_names": sorted({k for d in _tensor_states(engine).values() for k in d}),
+            "param_groups": groups,
+        },
+        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "global_samples": engine.global_samples,
+        "batch": {
+            "train_batch_size": engine.batch.train_batch_size,
+            "micro_batch_size": engine.batch.micro_batch_size,
+            "gradient_accumulation_steps": engine.batch.gradient_accumulation_steps,
+        },
+        "config": cfg.to_dict(),
+        "client_state": client_state,
+    }
+
+
+# ---- save ----------------------------------------------------------------------------------------------
+class CheckpointIO:
+    """The engine's checkpoint side: at most one save in flight, and the wait points that settle it."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.pending: BackgroundSave | None = None
+
+    def wait(self) -> None:
+        """Settle an in-flight save on every rank; a failure on any rank raises on all of them."""
+        error = self.pending.wait() if self.pending is not None else None
+        self.pending = None
+        failed = torch.tensor([1.0 if error is not None else 0.0])
+        self.engine.comm.sum_scalar(failed)
+        if error is not None:
+            raise CheckpointError(f"saving the checkpoint failed on rank {self.engine.rank}: {error}") from error
+        if failed.item() > 0:
+            raise CheckpointError("saving the checkpoint failed on another rank (see its error)")
+
+    def wait_local(self) -> None:
+        """Process exit: finish the local part of a save without collectives."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+
+    def save(self, save_dir: str, tag: str | None, client_state: Any, async_save: bool) -> str:
+        engine = self.engine
+        self.wait()
+        tag = tag or f"global_step{engine.global_steps}"
+        if "/" in tag or tag.startswith(".") or tag == LATEST:
+            raise CheckpointError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.')")
+        client_state = _jsonable(client_state, "client_state")
+        storage = Storage.resolve(save_dir)
+        error = None
+        if engine.rank == 0:
+            try:
+                prepare(storage, tag)
+            except OSError as e:
+                error = e
+        flag = torch.tensor([1.0 if error is not None else 0.0])
+        engine.comm.sum_scalar(flag)  # also the barrier: the staging directory exists for every rank
+        if flag.item() > 0:
+            raise CheckpointError(
+                f"cannot create checkpoint directory under {save_dir!r}: {error or 'failed on rank 0'}; "
+                "check the path and its permissions"
+            )
+        fragments = snapshot(engine, copy=async_save)
+        extra = {"rng": _rng_state()}
+        world, rank = engine.comm.world, engine.rank
+        # The manifest's contents are taken now, so a save that overlaps training records this step.
+        manifest_now = build_manifest(engine, tag, client_state) if rank == 0 else {}
+
+        def with_ranks(markers: list[dict]) -> dict:
+            return {**manifest_now, "rng": [m.pop("rng") for m in markers], "files": markers}
+
+        def work() -> None:
+            write_rank(storage, staging_dir(storage, tag), rank, fragments, extra)
+            fragments.clear()
+            if rank == 0:
+                commit(storage, tag, world, with_ranks)
+
+        if async_save:
+            self.pending = BackgroundSave(work)
+        else:
+            try:
+                work()
+                error = None
+            except BaseException as e:
+                error = e
+            failed = torch.tensor([1.0 if error is not None else 0.0])
+            engine.comm.sum_scalar(failed)
+            if error is not None:
+                raise CheckpointError(
+                    f"saving checkpoint {tag!r} to {save_dir!r} failed on rank {rank}: {error}. The previous "
+                    "checkpoint (if any) is intact; free space or pick another path and save again"
+                ) from error
+            if failed.item() > 0:
+                raise CheckpointError(f"saving checkpoint {tag!r} failed on another rank; the previous one is intact")
+        return tag
+
+
+# ---- load ----------------------------------------------------------------------------------------------
+def resolve_tag(storage: Storage, tag: str | None) -> str:
+    if tag is not None:
+        return tag
+    latest = storage.join(LATEST)
+    if not storage.exists(latest):
+        raise CheckpointError(
+            f"no checkpoint found in {storage.root!r}: there is no '{LATEST}' file (pass tag= to load a "
+            "specific checkpoint directory)"
+        )
+    return storage.read_bytes(latest).decode().strip()
+
+
+def read_manifest(storage: Storage, tag: str) -> dict:
+    path = storage.join(tag, MANIFEST)
+    if not storage.exists(path):
+        raise CheckpointError(
+            f"{path} does not exist: checkpoint {tag!r} was never committed (or is not a rayzero checkpoint)"
+        )
+    return parse_manifest(storage.read_bytes(path), path)
+
+
+class FragmentIndex:
+    """Every saved fragment of a checkpoint, by (param, state); files are opened (footer only) lazily."""
+
+    def __init__(self, storage: Storage, tag: str, manifest: dict):
+        self.storage, self.tag = storage, tag
+        self.files: dict[str, FragmentFile] = {}
+        self.where: dict[tuple[str, str], list[tuple[str, int, int, int]]] = {}
+        for info in manifest["files"]:
+            path = storage.join(tag, info["file"])
+            if not storage.exists(path):
+                raise CheckpointError(f"checkpoint {tag!r} is missing its fragment file {info['file']}")
+            size = storage.file_size(path)
+            if size != info["size"]:
+                from rayzero.checkpoint.format import ChecksumError
+
+                raise ChecksumError(
+                    f"{info['file']} in checkpoint {tag!r} is {size} bytes, the manifest says {info['size']}: "
+                    "the file is truncated or was replaced"
+                )
+            ff = FragmentFile(info["file"], storage.open_random_access(path))
+            self.files[info["file"]] = ff
+            for i, entry in enumerate(ff.index):
+                self.where.setdefault((entry["param"], entry["state"]), []).append(
+                    (info["file"], i, entry["start"], entry["end"])
+                )
+
+    def fill(self, param: str, state: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Copy elements ``[lo, hi)`` of ``param``'s ``state`` into ``out`` from every overlapping fragment."""
+        covered = 0
+        for file, i, start, end in self.where.get((param, state), []):
+            a, b = max(start, lo), min(end, hi)
+            if a >= b:
+                continue
+            data = self.files[file].read(i)
+            out[a - lo : b - lo].copy_(data[a - start : b - start])
+            covered += b - a
+        if covered != hi - lo:
+            raise CheckpointError(
+                f"checkpoint {self.tag!r} covers {covered} of the {hi - lo} elements [{lo}, {hi}) of "
+                f"{param!r}/{state}; it is incomplete"
+            )
+
+
+def _check_model(engine: "Engine", manifest: dict, strict: bool) -> tuple[set[str], list[str]]:
+    saved = {p["name"]: p for p in manifest["params"]}
+    for alias_owner in manifest["params"]:
+        for alias in alias_owner.get("aliases", []):
+            saved.setdefault(alias, alias_owner)
+    mine = {e.name: e for e in engine.partitions.entry_of.values()}
+    missing = sorted(n for n in mine if n not in saved)
+    unexpected = sorted(p["name"] for p in manifest["params"] if p["name"] not in mine and
+                        not any(a in mine for a in p.get("aliases", [])))
+    misshaped = sorted(
+        f"{n}: checkpoint {saved[n]['shape']} vs model {list(mine[n].shape)}"
+        for n in mine
+        if n in saved and list(mine[n].shape) != saved[n]["shape"]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing in the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"unexpected (not in the model): {unexpected}")
+    if misshaped:
+        problems.append(f"shape mismatch: {misshaped}")
+    if problems and strict:
+        raise CheckpointError(
+            "the checkpoint does not match the model; " + "; ".join(problems)
+            + ". Load with strict=False to load the parameters that match"
+        )
+    loadable = {n for n in mine if n in saved and list(mine[n].shape) == saved[n]["shape"]}
+    return loadable, problems
+
+
+@torch.no_grad()
+def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tuple[Any, list[str]]:
+    storage = Storage.resolve(load_dir)
+    tag = resolve_tag(storage, tag)
+    manifest = read_manifest(storage, tag)
+    loadable, problems = _check_model(engine, manifest, strict)
+    saved_params = {p["name"]: p for p in manifest["params"]}
+    for p in manifest["params"]:
+        for alias in p.get("aliases", []):
+            saved_params.setdefault(alias, p)
+    opt = manifest["optimizer"]
+    same_optimizer = opt["type"] == type(engine.optimizer).__name__
+    if not same_optimizer and strict:
+        raise CheckpointError(
+            f"the checkpoint's optimizer is {opt['type']}, this engine's is {type(engine.optimizer).__name__}; "
+            "load with strict=False to load weights only"
+        )
+    index = FragmentIndex(storage, tag, manifest)
+    state_names = opt["state_names"] if same_optimizer else []
+    saved_group_of = {n: g for g in opt["param_groups"] for n in g["params"]}
+
+    torch_state: dict[int, dict] = {}
+    for gi, g in enumerate(engine.partitions.groups):
+        flats = {name: torch.zeros_like(g.master) for name in state_names}
+        step_info = None
+        for p, e in zip(g.params, g.layout.entries):
+            if e.name not in loadable:
+                continue
+            saved_name = saved_params[e.name]["name"]
+            lo, hi = _local_range(engine, e)
+            if hi > lo:
+                index.fill(saved_name, STATE_MASTER, lo, hi, g.master[e.partition_offset : e.partition_offset + hi - lo])
+                for name, flat in flats.items():
+                    index.fill(saved_name, name, lo, hi, flat[e.partition_offset : e.partition_offset + hi - lo])
+            if step_info is None and saved_name in saved_group_of:
+                step_info = saved_group_of[saved_name].get("state", {})
+        if same_optimizer and (flats or step_info):
+            st: dict[str, Any] = dict(flats)
+            for k, info in (step_info or {}).items():
+                if info["kind"] == "tensor":
+                    st[k] = torch.tensor(info["value"], dtype=getattr(torch, info["dtype"]))
+                else:
+                    st[k] = int(info["value"]) if info["kind"] == "int" else float(info["value"])
+            torch_state[gi] = st
+    if same_optimizer:
+        groups = []
+        for gi, (g, group) in enumerate(zip(engine.partitions.groups, engine.optimizer.param_groups)):
+            merged = {k: v for k, v in group.items() if k != "params"}
+            names = [saved_params[e.name]["name"] for e in g.layout.entries if e.name in loadable]
+            saved = saved_group_of.get(names[0]) if names else None
+            if saved is not None:
+                for k, v in saved.items():
+                    if k in merged and k not in ("params", "state"):
+                        merged[k] = tuple(v) if isinstance(merged[k], tuple) else v
+            groups.append({**merged, "params": [gi]})
+        # torch's own loader puts each value where this optimizer keeps it: fused/capturable steps as
+        # tensors on the parameter's device, others as CPU tensors; moments in the parameter's dtype.
+        engine.optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
+
+    for name, t in _whole_tensors(engine).items():
+        if (name, "whole") in index.where:
+            flat = torch.empty(t.numel(), dtype=t.dtype)
+            index.fill(name, "whole", 0, t.numel(), flat)
+            t.copy_(flat.view(t.shape))
+        elif strict:
+            raise CheckpointError(f"the checkpoint has no buffer or frozen parameter {name!r}; load with strict=False")
+
+    if manifest.get("scheduler") is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(manifest["scheduler"])
+    engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
+    engine.global_steps = manifest["global_steps"]
+    engine.skipped_steps = manifest["skipped_steps"]
+    engine.global_samples = manifest["global_samples"]
+    # Micro-steps continue in the current accumulation schedule, which may differ after a resize.
+    engine.micro_steps = manifest["global_steps"] * engine.gradient_accumulation_steps
+    if manifest["world_size"] == engine.world_size:
+        _set_rng_state(manifest["rng"][engine.rank])
+    else:
+        _rederive_rng(engine.config.seed, engine.global_steps, engine.rank)
+    return manifest.get("client_state"), problems

@@ -1,0 +1,183 @@
+"""The universal checkpoint format (version 1).  docs/checkpoint_format.md describes it for readers.
+
+A checkpoint is a directory::
+
+    manifest.json            written last: what was saved, by whom, and a sha256 per fragment file
+    rank_00000.arrow         Arrow IPC file: the fragments rank 0 owned
+    rank_00001.arrow         ...
+
+Each fragment file holds one record batch per fragment, one row each, with the columns
+``param`` (the model's parameter name), ``state`` ("fp32" for the master weights, "buffer" for module
+buffers, or an optimizer state name such as "exp_avg"), ``start``/``end`` (the element range of the
+flattened parameter), ``dtype`` (torch dtype name), ``crc32`` (of the data bytes) and ``data`` (the raw
+little-endian bytes; bf16 as its 16-bit patterns).  The schema metadata key ``rayzero.index`` lists the
+same (param, state, start, end, dtype, crc32) per batch, so a reader finds a fragment from the file
+footer alone and reads only that batch: memory-mapped locally, as ranged reads on object stores.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+FORMAT_NAME = "rayzero-universal-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+INDEX_KEY = b"rayzero.index"
+STATE_MASTER = "fp32"
+STATE_BUFFER = "buffer"
+
+SCHEMA = pa.schema(
+    [
+        ("param", pa.string()),
+        ("state", pa.string()),
+        ("start", pa.int64()),
+        ("end", pa.int64()),
+        ("dtype", pa.string()),
+        ("crc32", pa.uint32()),
+        ("data", pa.large_binary()),
+    ]
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message names the file and the fix."""
+
+
+class ChecksumError(CheckpointError):
+    pass
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.arrow"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Elements ``[start, end)`` of the flattened parameter ``param``'s state ``state``."""
+
+    param: str
+    state: str
+    start: int
+    end: int
+    tensor: torch.Tensor  # 1-D, contiguous, on the CPU, ``end - start`` elements
+
+
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def write_fragments(sink, fragments: list[Fragment]) -> list[dict]:
+    """Write one record batch per fragment into ``sink`` (a pyarrow-compatible output); return the index."""
+    index = []
+    raws = []
+    for f in fragments:
+        raw = _raw_bytes(f.tensor)
+        raws.append(raw)
+        index.append(
+            {
+                "param": f.param,
+                "state": f.state,
+                "start": f.start,
+                "end": f.end,
+                "dtype": dtype_name(f.tensor.dtype),
+                "crc32": zlib.crc32(raw),
+            }
+        )
+    schema = SCHEMA.with_metadata({INDEX_KEY: json.dumps(index, separators=(",", ":")).encode()})
+    with pa.ipc.new_file(sink, schema) as writer:
+        for entry, raw in zip(index, raws):
+            data_buf = pa.py_buffer(raw)  # zero-copy view of the tensor's bytes
+            offsets = pa.py_buffer(np.array([0, raw.nbytes], dtype=np.int64))
+            data = pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, data_buf])
+            batch = pa.record_batch(
+                [
+                    pa.array([entry["param"]], pa.string()),
+                    pa.array([entry["state"]], pa.string()),
+                    pa.array([entry["start"]], pa.int64()),
+                    pa.array([entry["end"]], pa.int64()),
+                    pa.array([entry["dtype"]], pa.string()),
+                    pa.array([entry["crc32"]], pa.uint32()),
+                    data,
+                ],
+                schema=schema,
+            )
+            writer.write_batch(batch)
+    return index
+
+
+class FragmentFile:
+    """Random access to one rank's fragment file; reads a fragment's bytes only when asked."""
+
+    def __init__(self, name: str, source):
+        self.name = name
+        try:
+            self.reader = pa.ipc.open_file(source)
+            meta = self.reader.schema.metadata or {}
+            self.index = json.loads(meta[INDEX_KEY])
+        except (pa.ArrowInvalid, KeyError, ValueError, OSError) as e:
+            raise ChecksumError(
+                f"fragment file {name} is corrupt or truncated ({e}); restore it from a copy or load an "
+                "earlier checkpoint"
+            ) from None
+        if len(self.index) != self.reader.num_record_batches:
+            raise ChecksumError(f"fragment file {name}: index lists {len(self.index)} fragments, file holds "
+                                f"{self.reader.num_record_batches}; the file is corrupt")
+
+    def read(self, i: int) -> torch.Tensor:
+        entry = self.index[i]
+        try:
+            column = self.reader.get_batch(i).column("data")
+            _, offsets, data = column.buffers()
+            lo, hi = np.frombuffer(offsets, dtype=np.int64)[:2]
+            raw = np.frombuffer(data, dtype=np.uint8)[lo:hi]
+        except (pa.ArrowInvalid, OSError, ValueError) as e:
+            raise ChecksumError(f"fragment file {self.name}: fragment {i} unreadable ({e})") from None
+        if zlib.crc32(raw) != entry["crc32"]:
+            raise ChecksumError(
+                f"checksum mismatch in {self.name}: fragment {entry['param']}/{entry['state']} "
+                f"[{entry['start']}, {entry['end']}) is corrupt; restore the file or load an earlier checkpoint"
+            )
+        dtype = dtype_from_name(entry["dtype"])
+        if raw.nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        with warnings.catch_warnings():  # a read-only mmap: the tensor is only ever copied from
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(raw, dtype=torch.uint8)
+        return t.view(dtype)
+
+
+def parse_manifest(data: bytes, where: str) -> dict:
+    try:
+        manifest = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{where} is unreadable ({e.__class__.__name__}: {e}): the manifest is truncated or corrupt, so this "
+            "checkpoint is incomplete; load an earlier one (a checkpoint without a valid manifest was never "
+            "committed)"
+        ) from None
+    if manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{where} is not a rayzero checkpoint manifest (format={manifest.get('format')!r})")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where} has format version {manifest.get('version')}; this rayzero reads version {FORMAT_VERSION}"
+        )
+    return manifest

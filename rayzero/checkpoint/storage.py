@@ -1,0 +1,151 @@
+"""Where checkpoints live: a local path or any pyarrow.fs URI (s3://, gs://, hdfs://, file://).
+
+Local storage gets the strongest guarantees (fsync, atomic renames); object stores get the same commit
+order (fragment files, then the manifest, then ``latest``), which is what readers rely on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+
+@dataclass(frozen=True)
+class Storage:
+    fs: pafs.FileSystem
+    root: str  # path inside ``fs``
+    local: bool
+
+    @staticmethod
+    def resolve(path_or_uri: str | os.PathLike) -> "Storage":
+        text = os.fspath(path_or_uri)
+        if "://" in text and not text.startswith("file://"):
+            fs, root = pafs.FileSystem.from_uri(text)
+            return Storage(fs, root.rstrip("/"), False)
+        if text.startswith("file://"):
+            text = text[len("file://") :]
+        return Storage(pafs.LocalFileSystem(), os.path.abspath(text), True)
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts) if not self.local else os.path.join(self.root, *parts)
+
+    def uri(self, path: str) -> str:
+        return path
+
+    # ---- small files ----------------------------------------------------------------------------------
+    def read_bytes(self, path: str) -> bytes:
+        with self.fs.open_input_stream(path) as f:
+            return f.read()
+
+    def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        """Write ``data`` so that readers see the old content or the new one, never a mix."""
+        if self.local:
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(os.path.dirname(path))
+        else:  # object stores publish a whole object at close
+            with self.fs.open_output_stream(path) as f:
+                f.write(data)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
+
+    def is_dir(self, path: str) -> bool:
+        return self.fs.get_file_info(path).type == pafs.FileType.Directory
+
+    def makedirs(self, path: str) -> None:
+        self.fs.create_dir(path, recursive=True)
+
+    def listdir(self, path: str) -> list[str]:
+        if not self.exists(path):
+            return []
+        infos = self.fs.get_file_info(pafs.FileSelector(path, recursive=False))
+        return sorted(posixpath.basename(i.path.rstrip("/")) for i in infos)
+
+    def delete_dir(self, path: str) -> None:
+        if self.exists(path):
+            self.fs.delete_dir(path)
+
+    def move(self, src: str, dst: str) -> None:
+        self.fs.move(src, dst)
+        if self.local:
+            fsync_dir(os.path.dirname(dst))
+
+    def open_output(self, path: str):
+        return self.fs.open_output_stream(path)
+
+    def open_random_access(self, path: str):
+        """Memory-mapped for local files (only touched pages are read), ranged reads elsewhere."""
+        if self.local:
+            return pa.memory_map(path, "r")
+        return self.fs.open_input_file(path)
+
+    def file_size(self, path: str) -> int:
+        return self.fs.get_file_info(path).size
+
+
+def fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class HashingWriter:
+    """A file-like sink that hashes every byte on its way to the real stream (one pass, no re-read)."""
+
+    def __init__(self, raw, local_file=None):
+        self.raw = raw
+        self.local_file = local_file
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha256.update(view)
+        self.raw.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def tell(self) -> int:
+        return self.size
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.raw.flush()
+        if self.local_file is not None:
+            os.fsync(self.local_file.fileno())
+        self.raw.close()
+        self.closed = True
+
+
+def sha256_of(storage: Storage, path: str, block: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with storage.fs.open_input_stream(path) as f:
+        while True:
+            chunk = f.read(block)
+            if not chunk:
+                break
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,151 @@
+"""Parallel, atomic saving: every rank writes its own fragment file; rank 0 commits.
+
+Commit protocol (no collectives, so it can run on a background thread while training goes on):
+
+1. Rank 0 prepares a staging directory ``<dir>/.tmp-<tag>`` (local storage) and removes stale staging
+   directories left by crashed saves.  All ranks meet at a barrier (the caller does that on the main
+   thread), then each rank:
+2. writes ``rank_XXXXX.arrow`` under a temporary name, syncs it, renames it, and drops a small
+   ``rank_XXXXX.done.json`` marker with its size, sha256 and RNG state (or ``rank_XXXXX.error.json``);
+3. rank 0 waits for every marker, writes ``manifest.json`` (synced, renamed into place), renames the
+   staging directory to ``<dir>/<tag>`` and only then moves ``<dir>/latest`` to the new tag.
+
+A crash at any moment leaves ``latest`` on the previous, complete checkpoint; the partial staging directory
+is ignored by readers and removed by the next save.  On object stores (no atomic directory rename) files go
+straight to ``<dir>/<tag>``: a directory without a manifest is incomplete, and ``latest`` still moves last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Callable
+
+from rayzero.checkpoint.format import LATEST, MANIFEST, CheckpointError, Fragment, rank_file_name, write_fragments
+from rayzero.checkpoint.storage import HashingWriter, Storage
+
+STAGING_PREFIX = ".tmp-"
+
+
+def staging_dir(storage: Storage, tag: str) -> str:
+    return storage.join(STAGING_PREFIX + tag) if storage.local else storage.join(tag)
+
+
+def prepare(storage: Storage, tag: str) -> None:
+    """Rank 0, before the barrier: a clean staging directory, and no leftovers of crashed saves."""
+    storage.makedirs(storage.root)
+    for name in storage.listdir(storage.root):
+        if name.startswith(STAGING_PREFIX) or name.startswith(".old-"):
+            storage.delete_dir(storage.join(name))
+        elif not storage.local and name != LATEST and storage.is_dir(storage.join(name)):
+            if not storage.exists(storage.join(name, MANIFEST)):  # never committed
+                storage.delete_dir(storage.join(name))
+    stage = staging_dir(storage, tag)
+    storage.delete_dir(stage)
+    storage.makedirs(stage)
+
+
+def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment], extra: dict) -> None:
+    """Write this rank's fragment file and its done marker (or an error marker, then re-raise)."""
+    final = f"{stage}/{rank_file_name(rank)}" if not storage.local else os.path.join(stage, rank_file_name(rank))
+    try:
+        tmp = final + ".partial"
+        if storage.local:
+            raw = open(tmp, "wb")
+            sink = HashingWriter(raw, local_file=raw)
+        else:
+            sink = HashingWriter(storage.open_output(final))
+        import pyarrow as pa
+
+        with pa.PythonFile(sink, mode="w") as out:
+            index = write_fragments(out, fragments)
+        sink.close()
+        if storage.local:
+            os.replace(tmp, final)
+        marker = {"file": rank_file_name(rank), "size": sink.size, "sha256": sink.sha256.hexdigest(),
+                  "fragments": len(index), **extra}
+        storage.write_bytes_atomic(f"{final[: -len('.arrow')]}.done.json", json.dumps(marker).encode())
+    except BaseException as e:
+        try:
+            storage.write_bytes_atomic(
+                f"{final[: -len('.arrow')]}.error.json", json.dumps({"rank": rank, "error": repr(e)}).encode()
+            )
+        except BaseException:
+            pass
+        raise
+
+
+def commit(
+    storage: Storage,
+    tag: str,
+    world: int,
+    manifest_of: Callable[[list[dict]], dict],
+    timeout_s: float = 1800.0,
+) -> None:
+    """Rank 0: wait for every rank's marker, write the manifest, publish the directory, move ``latest``."""
+    stage = staging_dir(storage, tag)
+    sep = "/" if not storage.local else os.sep
+    deadline = time.monotonic() + timeout_s
+    markers: list[dict | None] = [None] * world
+    while True:
+        for r in range(world):
+            if markers[r] is not None:
+                continue
+            base = f"{stage}{sep}{rank_file_name(r)[: -len('.arrow')]}"
+            if storage.exists(base + ".error.json"):
+                err = json.loads(storage.read_bytes(base + ".error.json"))
+                abort(storage, tag)
+                raise CheckpointError(f"rank {r} failed to write its part of checkpoint {tag!r}: {err['error']}")
+            if storage.exists(base + ".done.json"):
+                markers[r] = json.loads(storage.read_bytes(base + ".done.json"))
+        if all(m is not None for m in markers):
+            break
+        if time.monotonic() > deadline:
+            abort(storage, tag)
+            missing = [r for r, m in enumerate(markers) if m is None]
+            raise CheckpointError(f"checkpoint {tag!r}: ranks {missing} did not finish writing within {timeout_s}s")
+        time.sleep(0.01)
+    manifest = manifest_of(markers)
+    storage.write_bytes_atomic(f"{stage}{sep}{MANIFEST}", json.dumps(manifest, indent=1).encode())
+    for r in range(world):
+        base = f"{stage}{sep}{rank_file_name(r)[: -len('.arrow')]}"
+        storage.fs.delete_file(base + ".done.json")
+    if storage.local:
+        final = storage.join(tag)
+        if storage.exists(final):  # re-saving a tag: move the old one aside, then drop it after the switch
+            old = storage.join(f".old-{tag}")
+            storage.move(final, old)
+            storage.move(stage, final)
+            storage.delete_dir(old)
+        else:
+            storage.move(stage, final)
+    storage.write_bytes_atomic(storage.join(LATEST), tag.encode())
+
+
+def abort(storage: Storage, tag: str) -> None:
+    if storage.local:
+        try:
+            storage.delete_dir(staging_dir(storage, tag))
+        except OSError:
+            pass
+
+
+class BackgroundSave:
+    """One save in flight on a background thread; ``wait()`` re-raises its failure on the caller."""
+
+    def __init__(self, work: Callable[[], None]):
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(work,), name="rayzero-checkpoint", daemon=False)
+        self.thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # surfaced by wait()
+            self.error = e
+
+    def wait(self) -> BaseException | None:
+        self.thread.join()
+        return self.error
