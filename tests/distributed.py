@@ -16,7 +16,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world, port, queue, args, env, init_pg):
+def _entry(fn, rank, world, port, queue, args, kwargs, env, init_pg):
     import torch
     import torch.distributed as dist
 
@@ -26,7 +26,7 @@ def _entry(fn, rank, world, port, queue, args, env, init_pg):
     try:
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world)
-        result = fn(rank, world, *args)
+        result = fn(rank, world, *args, **kwargs)
         # plain pickle: tensors travel as bytes, not as shared-memory handles that die with this process
         queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report every failure to the parent, which raises it
@@ -37,9 +37,9 @@ def _entry(fn, rank, world, port, queue, args, env, init_pg):
 
 
 def run_distributed(
-    fn, world: int, *args, timeout: float = 240.0, env: dict | None = None, init_pg: bool = True
+    fn, world: int, *args, timeout: float = 240.0, env: dict | None = None, init_pg: bool = True, **kwargs
 ) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; return the per-rank results in rank order.
+    """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` processes; return the per-rank results in rank order.
 
     With ``init_pg=False`` the processes get only the standard environment variables (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT) and no process group, as a launcher leaves them.
@@ -48,7 +48,7 @@ def run_distributed(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, env or {}, init_pg), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world, port, queue, args, kwargs, env or {}, init_pg), daemon=True)
         for r in range(world)
     ]
     for p in procs:

@@ -1,0 +1,119 @@
+"""Per-rank training runs that save and resume universal checkpoints (used by test_checkpoint.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import rayzero
+from zero_cases import base_config, batches, global_mean, make_model
+
+
+def train_steps(engine, rank: int, world: int, data, gas: int = 1) -> tuple[list[float], list[float]]:
+    global_batch = data[0][0].shape[0]
+    per_rank = global_batch // world
+    micro = per_rank // gas
+    losses, norms = [], []
+    for x, y in data:
+        xs, ys = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        total = 0.0
+        for k in range(gas):
+            loss = F.mse_loss(engine(xs[k * micro : (k + 1) * micro]).float(), ys[k * micro : (k + 1) * micro])
+            engine.backward(loss)
+            engine.step()
+            total += global_mean(loss) / gas
+        losses.append(total)
+        norms.append(engine.global_grad_norm)
+    return losses, norms
+
+
+def make_engine(stage: int, world: int, global_batch: int, gas: int = 1, **extra):
+    cfg = base_config(stage, world, global_batch, gas, **extra)
+    return rayzero.initialize(make_model(), cfg)
+
+
+def save_after(rank, world, stage, steps, global_batch, save_dir, gas=1, async_save=False, **extra):
+    """Train ``steps`` steps and save; return the state and what came before."""
+    engine = make_engine(stage, world, global_batch, gas, **extra)
+    data = batches(steps, global_batch)
+    losses, norms = train_steps(engine, rank, world, data, gas)
+    engine.save_checkpoint(save_dir, client_state={"note": "resume here", "step": steps}, async_save=async_save)
+    state = engine.full_state_dict()
+    engine.destroy()
+    return {"losses": losses, "norms": norms, "state": state if rank == 0 else None}
+
+
+def resume(rank, world, stage, first, more, global_batch, save_dir, gas=1, **extra):
+    """Load the checkpoint and train steps ``first .. first + more`` of the same global batch stream."""
+    engine = make_engine(stage, world, global_batch, gas, **extra)
+    client = engine.load_checkpoint(save_dir)
+    assert client == {"note": "resume here", "step": first}, client
+    assert engine.global_steps == first
+    assert engine.global_samples == first * global_batch
+    data = batches(first + more, global_batch)[first:]
+    losses, norms = train_steps(engine, rank, world, data, gas)
+    state = engine.full_state_dict()
+    engine.destroy()
+    return {"losses": losses, "norms": norms, "state": state if rank == 0 else None}
+
+
+def uninterrupted(rank, world, stage, steps, global_batch, **extra):
+    engine = make_engine(stage, world, global_batch, **extra)
+    losses, norms = train_steps(engine, rank, world, batches(steps, global_batch))
+    state = engine.full_state_dict()
+    engine.destroy()
+    return {"losses": losses, "norms": norms, "state": state if rank == 0 else None}
+
+
+def optimizer_view(engine) -> dict:
+    """Full fp32 masters and optimizer states (gathered), and each group's step as the optimizer keeps it."""
+    out = {"master": {}, "states": {}, "steps": []}
+    for gi, g in enumerate(engine.partitions.groups):
+        st = engine.optimizer.state[g.master]
+        step = st.get("step")
+        out["steps"].append((step.item(), str(step.dtype), str(step.device)) if torch.is_tensor(step) else step)
+        for e in g.layout.entries:
+            out["master"][e.name] = engine.partitions.gather_full(e)
+            for name, flat in st.items():
+                if torch.is_tensor(flat) and flat.shape == g.master.shape:
+                    shard = flat[e.partition_offset : e.partition_offset + e.chunk]
+                    rows = torch.empty((engine.partitions.world, e.chunk))
+                    if engine.partitions.world > 1:
+                        engine.comm.all_gather(rows, shard.contiguous()).wait()
+                    else:
+                        rows[0].copy_(shard)
+                    out["states"][(e.name, name)] = rows.reshape(-1)[: e.numel].clone()
+    return out
+
+
+def save_and_view(rank, world, stage, save_dir, steps=3, **extra):
+    engine = make_engine(stage, world, 12, **extra)
+    train_steps(engine, rank, world, batches(steps, 12))
+    view = optimizer_view(engine)
+    engine.save_checkpoint(save_dir, client_state={"note": "resume here", "step": steps})
+    more = train_steps(engine, rank, world, batches(steps + 2, 12)[steps:])
+    after = engine.full_state_dict()
+    engine.destroy()
+    return {"view": view, "after": after, "more": more} if rank == 0 else None
+
+
+def load_and_view(rank, world, stage, save_dir, steps=3, **extra):
+    engine = make_engine(stage, world, 12, **extra)
+    engine.load_checkpoint(save_dir)
+    view = optimizer_view(engine)
+    more = train_steps(engine, rank, world, batches(steps + 2, 12)[steps:])
+    after = engine.full_state_dict()
+    engine.destroy()
+    return {"view": view, "after": after, "more": more} if rank == 0 else None
+
+
+def async_vs_sync(rank, world, stage, sync_dir, async_dir):
+    """Save the same step synchronously and asynchronously, training on while the async one writes."""
+    engine = make_engine(stage, world, 12)
+    train_steps(engine, rank, world, batches(3, 12))
+    engine.save_checkpoint(sync_dir, client_state={"note": "resume here", "step": 3})
+    engine.save_checkpoint(async_dir, client_state={"note": "resume here", "step": 3}, async_save=True)
+    train_steps(engine, rank, world, batches(5, 12)[3:])  # overlaps the background write
+    engine.save_checkpoint(sync_dir, tag="later")  # waits for the async save first
+    engine.destroy()
+    return True
