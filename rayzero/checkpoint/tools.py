@@ -322,6 +322,8 @@ def export(
         t = _assemble(index, w["name"], STATE_WHOLE, _numel(w["shape"]), w["shape"]).to(dtype_from_name(w["dtype"]))
         nbytes += t.numel() * t.element_size()
         tensors[w["name"]] = t
+        for alias in w.get("aliases", []):
+            tensors[alias] = t.clone() if fmt == "safetensors" else t
     out_dir = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(out_dir, exist_ok=True)
     tmp = f"{out_path}.tmp-{os.getpid()}"
