@@ -24,6 +24,7 @@ from rayzero.checkpoint.format import (
     LATEST,
     MANIFEST,
     STATE_MASTER,
+    STATE_WHOLE,
     CheckpointError,
     Fragment,
     FragmentFile,
@@ -36,8 +37,6 @@ from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_d
 
 if TYPE_CHECKING:
     from rayzero.engine import Engine
-
-STATE_WHOLE = "whole"  # buffers and frozen parameters, saved whole by rank 0
 
 
 # ---- what a rank holds ---------------------------------------------------------------------------------
@@ -94,7 +93,7 @@ def snapshot(engine: "Engine", copy: bool) -> list[Fragment]:
                 frags.append(Fragment(e.name, name, s0, s1, take(flat[a:b])))
     if engine.rank == 0:
         for name, t in _whole_tensors(engine).items():
-            frags.append(Fragment(name, STATE_WHOLE, 0, t.numel(), take(t.reshape(-1))))
+            frags.append(Fragment(name, STATE_WHOLE, 0, t.numel(), take(t.detach().reshape(-1))))
     return frags
 
 
@@ -103,9 +102,9 @@ def _whole_tensors(engine: "Engine") -> dict[str, torch.Tensor]:
     out = {}
     for name, p in engine.module.named_parameters():
         if p not in partitioned:
-            out[name] = p.data
+            out[name] = p
     for name, b in engine.module.named_buffers():
-        out[name] = b.data
+        out[name] = b
     return out
 
 
@@ -187,9 +186,24 @@ def build_manifest(engine: "Engine", tag: str, client_state: Any) -> dict:
                     "group": gi,
                 }
             )
-    whole = [
-        {"name": n, "shape": list(t.shape), "dtype": dtype_name(t.dtype)} for n, t in _whole_tensors(engine).items()
-    ]
+    in_state_dict = set(engine.module.state_dict(keep_vars=True))
+    whole_names_of: dict[int, list[str]] = {}
+    for name, t in list(engine.module.named_parameters(remove_duplicate=False)) + list(
+        engine.module.named_buffers(remove_duplicate=False)
+    ):
+        whole_names_of.setdefault(id(t), []).append(name)
+    whole = []
+    for n, t in _whole_tensors(engine).items():
+        names = whole_names_of.get(id(t), [n])
+        whole.append(
+            {
+                "name": n,
+                "aliases": [a for a in names if a != n],
+                "shape": list(t.shape),
+                "dtype": dtype_name(t.dtype),
+                "persistent": n in in_state_dict,  # non-persistent buffers are not part of state_dict()
+            }
+        )
     scalar = _scalar_states(engine)
     groups = []
     for gi, (g, group) in enumerate(zip(engine.partitions.groups, engine.optimizer.param_groups)):
@@ -463,10 +477,10 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
         engine.optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
 
     for name, t in _whole_tensors(engine).items():
-        if (name, "whole") in index.where:
+        if (name, STATE_WHOLE) in index.where:
             flat = torch.empty(t.numel(), dtype=t.dtype)
-            index.fill(name, "whole", 0, t.numel(), flat)
-            t.copy_(flat.view(t.shape))
+            index.fill(name, STATE_WHOLE, 0, t.numel(), flat)
+            t.data.copy_(flat.view(t.shape))
         elif strict:
             raise CheckpointError(f"the checkpoint has no buffer or frozen parameter {name!r}; load with strict=False")
 

@@ -7,8 +7,8 @@ A checkpoint is a directory::
     rank_00001.arrow         ...
 
 Each fragment file holds one record batch per fragment, one row each, with the columns
-``param`` (the model's parameter name), ``state`` ("fp32" for the master weights, "buffer" for module
-buffers, or an optimizer state name such as "exp_avg"), ``start``/``end`` (the element range of the
+``param`` (the model's parameter name), ``state`` ("fp32" for the master weights, "whole" for module
+buffers and frozen parameters, saved whole by rank 0, or an optimizer state name such as "exp_avg"), ``start``/``end`` (the element range of the
 flattened parameter), ``dtype`` (torch dtype name), ``crc32`` (of the data bytes) and ``data`` (the raw
 little-endian bytes; bf16 as its 16-bit patterns).  The schema metadata key ``rayzero.index`` lists the
 same (param, state, start, end, dtype, crc32) per batch, so a reader finds a fragment from the file
@@ -32,7 +32,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 INDEX_KEY = b"rayzero.index"
 STATE_MASTER = "fp32"
-STATE_BUFFER = "buffer"
+STATE_WHOLE = "whole"  # buffers and frozen parameters, saved whole by rank 0
 
 SCHEMA = pa.schema(
     [

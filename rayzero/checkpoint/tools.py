@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from rayzero.checkpoint.engine_io import STATE_WHOLE, FragmentIndex, read_manifest, resolve_tag
+from rayzero.checkpoint.engine_io import FragmentIndex, read_manifest, resolve_tag
 from rayzero.checkpoint.format import (
     MANIFEST,
     STATE_MASTER,
+    STATE_WHOLE,
     CheckpointError,
     ChecksumError,
     FragmentFile,
@@ -222,7 +223,8 @@ def verify(path_or_uri: str | os.PathLike, tag: str | None = None) -> list[str]:
                 problems.append(f"{where}: crc32 mismatch" if "checksum mismatch" in str(e) else f"{where}: {e}")
                 continue
             if data.numel() != entry["end"] - entry["start"]:
-                problems.append(f"{where}: holds {data.numel()} elements, its range has {entry['end'] - entry['start']}")
+                n = entry["end"] - entry["start"]
+                problems.append(f"{where}: holds {data.numel()} elements, its range has {n}")
     if whole_files:
         problems += _coverage_problems(m, covered)
     return problems
