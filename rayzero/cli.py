@@ -71,8 +71,31 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_ckpt_export)
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from rayzero.train.metrics import plot_loss
+
+    out = args.out
+    if out is None:
+        if "://" in args.run_dir:
+            print("rayzero: error: give --out for a run on remote storage", file=sys.stderr)
+            return EXIT_ERROR
+        out = os.path.join(args.run_dir, "loss.png")
+    print(f"wrote {plot_loss(args.run_dir, out)}")
+    return EXIT_OK
+
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="draw a run's loss curve (from its metrics.jsonl) to a PNG")
+    p.add_argument("run_dir", metavar="RUN", help="the run directory (<storage>/<name>) holding metrics.jsonl")
+    p.add_argument("--out", help="PNG path (default: RUN/loss.png)")
+    p.set_defaults(run=_plot)
+
+
 # Each command group registers itself here: (name, function that adds its subparser).
-COMMAND_GROUPS: list[tuple[str, Callable[[argparse._SubParsersAction], None]]] = [("ckpt", _add_ckpt)]
+COMMAND_GROUPS: list[tuple[str, Callable[[argparse._SubParsersAction], None]]] = [
+    ("ckpt", _add_ckpt),
+    ("plot", _add_plot),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `rayzero ckpt inspect ... | head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_FAILED
-    except (CheckpointError, OSError) as e:  # one clear line, no traceback
+    except (CheckpointError, OSError, ValueError) as e:  # one clear line, no traceback
         print(f"rayzero: error: {e}", file=sys.stderr)
         return EXIT_ERROR
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
+
+import numpy as np
 
 import pytest
 import torch
@@ -19,7 +22,12 @@ import torch.nn.functional as F
 import rayzero
 from distributed import run_distributed
 
-pytest.importorskip("moto", reason="moto (test extra: pip install 'moto[server]') is needed for the local S3 server")
+try:  # the S3 server; a dependency of the `test` extra, so CI always runs this file
+    import boto3
+    from moto.server import ThreadedMotoServer
+except ImportError as e:
+    pytest.skip(f"moto is not importable ({e}); install the test extra (pip install 'moto[server]') to run the S3 "
+                "checkpoint tests against a local S3 server", allow_module_level=True)
 
 BUCKET = "rayzero-ckpt"
 PREFIX = "runs/job1"
@@ -126,28 +134,30 @@ def resume(rank: int, world: int, uri: str, stage: int) -> dict:
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server on loopback with one bucket; yields (uri of a prefix, boto3 client). Stopped at the end."""
-    from moto.server import ThreadedMotoServer
-
     saved_env = {k: os.environ.get(k) for k in S3_ENV}
     os.environ.update(S3_ENV)  # the spawned ranks inherit these
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+    access_log = logging.getLogger("werkzeug")
+    log_level = access_log.level
+    access_log.setLevel(logging.ERROR)  # one access-log line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
         host, port = server.get_host_and_port()
         endpoint = f"{host}:{port}"
-        import boto3
-
         client = boto3.client("s3", endpoint_url=f"http://{endpoint}", region_name="us-east-1",
                               aws_access_key_id="testing", aws_secret_access_key="testing")
         client.create_bucket(Bucket=BUCKET)
-        # region in the URI: pyarrow would otherwise ask the endpoint for the bucket's region first
+
         def uri(prefix: str) -> str:
+            # pyarrow.fs.S3FileSystem options as URI query keys; with endpoint_override pyarrow does not look
+            # up the bucket's region, and region= pins it against a developer's AWS config.  Credentials come
+            # from the AWS_* variables above (pyarrow's default credential chain).
             return f"s3://{BUCKET}/{prefix}?endpoint_override={endpoint}&scheme=http&region=us-east-1"
 
         yield uri, client
     finally:
         server.stop()
+        access_log.setLevel(log_level)
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -212,10 +222,21 @@ def test_resume_same_world_and_stage_is_bitwise(s3, saved_run):
         _assert_bitwise(got["state_end"], ref["state_end"])
 
 
-def test_resume_world1_stage3_matches(s3, saved_run):
+@pytest.fixture
+def one_rank_here(monkeypatch):
+    """This test process as a world of one (no process group), its RNG streams restored afterwards."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert not torch.distributed.is_initialized()
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):  # loading at a new world size re-seeds every stream
+        yield
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+
+
+def test_resume_world1_stage3_matches(s3, saved_run, one_rank_here):
     uri, _ = s3
-    for var in ("RANK", "WORLD_SIZE"):  # this process is one rank without a process group
-        assert var not in os.environ
     got = resume(0, 1, uri(PREFIX), 3)
     ref = saved_run[0]
     assert got["client_state"] == {"epoch": 1, "next_batch": SAVE_AT}
@@ -225,7 +246,7 @@ def test_resume_world1_stage3_matches(s3, saved_run):
     _assert_rel(got["state_end"], ref["state_end"], 1e-6)
 
 
-def test_async_save_to_s3_loads(s3, saved_run):
+def test_async_save_to_s3_loads(s3, saved_run, one_rank_here):
     uri, client = s3
     assert saved_run[0]["async_tag"] == "final"
     assert client.get_object(Bucket=BUCKET, Key=f"{ASYNC_PREFIX}/latest")["Body"].read().decode() == "final"

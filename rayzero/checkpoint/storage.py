@@ -22,7 +22,9 @@ class Storage:
     local: bool
 
     @staticmethod
-    def resolve(path_or_uri: str | os.PathLike) -> "Storage":
+    def resolve(path_or_uri: "str | os.PathLike | Storage") -> "Storage":
+        if isinstance(path_or_uri, Storage):
+            return path_or_uri
         text = os.fspath(path_or_uri)
         if "://" in text and not text.startswith("file://"):
             fs, root = pafs.FileSystem.from_uri(text)
@@ -30,6 +32,12 @@ class Storage:
         if text.startswith("file://"):
             text = text[len("file://") :]
         return Storage(pafs.LocalFileSystem(), os.path.abspath(text), True)
+
+    @staticmethod
+    def on(fs: pafs.FileSystem, root: str) -> "Storage":
+        """A directory on a filesystem someone else opened (for example Ray Train's run storage)."""
+        local = isinstance(fs, pafs.LocalFileSystem)
+        return Storage(fs, os.path.abspath(root) if local else root.rstrip("/"), local)
 
     def join(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts) if not self.local else os.path.join(self.root, *parts)

@@ -1,0 +1,65 @@
+"""The per-node agent: one long-lived actor per node that reports what the driver needs to plan."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import ray
+
+
+@ray.remote(num_cpus=0)
+class NodeAgent:
+    def report(self, swap_path: str | None = None) -> dict:
+        from rayzero.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        swap = swap_path or os.getcwd()
+        probe = swap
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        free = shutil.disk_usage(probe or "/").free
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "hostname": os.uname().nodename,
+            "accelerator": acc.name,
+            "devices": acc.device_count(),
+            "graph_capture": acc.supports_graph_capture(),
+            "memory_total": acc.total_memory(),
+            "memory_available": acc.available_memory(),
+            "swap_path": swap,
+            "swap_free": free,
+        }
+
+
+def node_table(swap_path: str | None = None, timeout_s: float = 60.0) -> list[dict]:
+    """Start (or reuse) one agent per alive node and collect their reports."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    agents = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        name = f"rayzero-agent-{node['NodeID'][:12]}"
+        agent = NodeAgent.options(
+            name=name,
+            namespace="rayzero",
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+        ).remote()
+        agents.append(agent)
+    return ray.get([a.report.remote(swap_path) for a in agents], timeout=timeout_s)
+
+
+def format_node_table(rows: list[dict]) -> str:
+    gib = 1 << 30
+    lines = [
+        "node          accelerator  devices  graph-capture  memory (usable / avail GiB)  swap free GiB",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['hostname'][:12]:<13} {r['accelerator']:<12} {r['devices']:>7}  {str(r['graph_capture']):<13}  "
+            f"{r['memory_total'] / gib:>10.1f} / {r['memory_available'] / gib:<10.1f}     {r['swap_free'] / gib:>8.1f}"
+        )
+    return "\n".join(lines)

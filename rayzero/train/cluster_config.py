@@ -1,0 +1,84 @@
+"""``rayzero.ClusterConfig``: where and how wide a ``rayzero.fit`` run goes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping
+
+from rayzero.config import ConfigError, did_you_mean
+
+
+@dataclass
+class ClusterConfig:
+    """``workers``: an int, or ``(min, max)`` for an elastic run that grows and shrinks with the cluster.
+
+    ``storage``: a local path or pyarrow.fs URI for checkpoints and metrics (default ``./rayzero_runs``).
+    ``checkpoint_every``: steps between checkpoints (0: only at the end).  ``address``: a Ray cluster to
+    join; without it rayzero joins ``RAY_ADDRESS`` or a running cluster, else starts a local one.
+    """
+
+    workers: int | tuple[int, int] = 1
+    use_gpu: bool = False
+    resources_per_worker: dict = field(default_factory=lambda: {"CPU": 1})
+    storage: str = "./rayzero_runs"
+    name: str | None = None
+    max_failures: int = 3
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    address: str | None = None
+    micro_batch_sizes: list[int] | None = None  # acceptable micro-batch sizes for elastic re-planning
+    elastic_check_interval_s: float = 10.0  # how often an elastic run looks for a bigger or smaller cluster
+    start_timeout_s: float = 120.0  # how long to wait for `min` workers' resources before failing
+    progress: bool = True
+
+    @staticmethod
+    def from_any(obj: "ClusterConfig | Mapping[str, Any] | int | None") -> "ClusterConfig":
+        if isinstance(obj, ClusterConfig):
+            cfg = obj
+        elif obj is None:
+            cfg = ClusterConfig()
+        elif isinstance(obj, int):
+            cfg = ClusterConfig(workers=obj)
+        elif isinstance(obj, Mapping):
+            known = {f.name for f in fields(ClusterConfig)}
+            for key in obj:
+                if key not in known:
+                    raise ConfigError(f"unknown cluster config key {key!r}{did_you_mean(key, known)}")
+            cfg = ClusterConfig(**dict(obj))
+        else:
+            raise ConfigError(f"cluster_cfg must be a rayzero.ClusterConfig, a dict or an int, got {type(obj).__name__}")
+        cfg.validate()
+        return cfg
+
+    @property
+    def min_workers(self) -> int:
+        return self.workers[0] if isinstance(self.workers, (tuple, list)) else self.workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.workers[1] if isinstance(self.workers, (tuple, list)) else self.workers
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers != self.max_workers
+
+    def validate(self) -> None:
+        w = self.workers
+        if isinstance(w, list):
+            self.workers = w = tuple(w)
+        if isinstance(w, tuple):
+            if len(w) != 2 or not all(isinstance(x, int) for x in w) or not 1 <= w[0] <= w[1]:
+                raise ConfigError(f"workers={w!r}: an elastic range is (min, max) with 1 <= min <= max")
+        elif not isinstance(w, int) or w < 1:
+            raise ConfigError(f"workers={w!r}: give a positive int, or (min, max) for an elastic run")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_failures < 0:
+            raise ConfigError(
+                "checkpoint_every must be >= 0, keep_checkpoints >= 1 and max_failures >= 0 "
+                f"(got {self.checkpoint_every}, {self.keep_checkpoints}, {self.max_failures})"
+            )
+        if "://" not in self.storage:
+            self.storage = os.path.abspath(self.storage)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

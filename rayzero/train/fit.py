@@ -1,0 +1,259 @@
+"""``rayzero.fit``: the driver.  Plans, checks, launches Ray Train workers, follows progress, returns a Result."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from rayzero.checkpoint.storage import Storage
+from rayzero.config import Config, ConfigError
+from rayzero.train.cluster_config import ClusterConfig
+from rayzero.train.metrics import METRICS_FILE, read_metrics
+from rayzero.train.planning import plan_range
+from rayzero.train.worker import WorkerSpec, train_loop_per_worker
+
+logger = logging.getLogger("rayzero")
+
+
+@dataclass
+class Result:
+    metrics: dict
+    losses: list[float]
+    checkpoint: str | None
+    world_sizes: list[int]
+    run_dir: str
+    history: list[dict] = field(default_factory=list)
+
+
+def _ensure_ray(cluster: ClusterConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        # No address: join a cluster started on this machine with `ray start`, else start one sized to it.
+        ray.init(log_to_driver=True)
+
+
+def _check_picklable(model: Any) -> None:
+    import ray.cloudpickle as cloudpickle
+
+    try:
+        cloudpickle.dumps(model)
+    except Exception as e:
+        raise TypeError(
+            f"the model cannot be sent to the workers ({type(e).__name__}: {e}); pass a zero-argument factory "
+            "that builds it instead (e.g. rayzero.fit(lambda: MyModel(), ...)), which also lets ZeRO-3 build it "
+            "without any rank holding it whole"
+        ) from None
+
+
+def _check_storage(path: str) -> None:
+    storage = Storage.resolve(path)
+    probe = storage.join(f".rayzero-write-probe-{uuid.uuid4().hex[:8]}")
+    try:
+        storage.makedirs(storage.root)
+        storage.write_bytes_atomic(probe, b"ok")
+        storage.fs.delete_file(probe)
+    except Exception as e:
+        raise PermissionError(
+            f"cannot write to the run storage {path!r} ({type(e).__name__}: {e}); choose a writable path or URI "
+            "in ClusterConfig(storage=...)"
+        ) from None
+
+
+def _wait_for_resources(cluster: ClusterConfig) -> None:
+    import ray
+
+    need = {k: v * cluster.min_workers for k, v in cluster.resources_per_worker.items()}
+    if cluster.use_gpu:
+        need["GPU"] = need.get("GPU", 0) + cluster.min_workers
+    deadline = time.monotonic() + cluster.start_timeout_s
+    while True:
+        have = ray.cluster_resources()
+        short = {k: (v, have.get(k, 0)) for k, v in need.items() if have.get(k, 0) < v}
+        if not short:
+            return
+        if time.monotonic() > deadline:
+            detail = ", ".join(f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
+            raise RuntimeError(
+                f"the Ray cluster is too small for {cluster.min_workers} worker(s) ({detail}) after waiting "
+                f"{cluster.start_timeout_s:g}s; add nodes, lower workers, or lower resources_per_worker"
+            )
+        time.sleep(1.0)
+
+
+class _Progress(threading.Thread):
+    """Prints step, loss, samples/s and ETA from the run's metrics file: one line per update, readable in
+    `ray job logs` (a carriage-return bar only when stdout is a terminal)."""
+
+    def __init__(self, run_dir: str, max_steps: int, every_s: float = 2.0):
+        super().__init__(daemon=True, name="rayzero-progress")
+        self.run_dir, self.max_steps, self.every_s = run_dir, max_steps, every_s
+        self.stop = threading.Event()
+        self.tty = sys.stdout.isatty()
+        self.last_step = 0
+
+    def run(self) -> None:
+        start = time.time()
+        while not self.stop.wait(self.every_s):
+            self.show(start)
+        self.show(start)
+        if self.tty:
+            print(flush=True)
+
+    def show(self, start: float) -> None:
+        try:
+            records = read_metrics(self.run_dir)
+        except (FileNotFoundError, OSError):
+            return
+        if not records or records[-1]["step"] == self.last_step:
+            return
+        r = records[-1]
+        self.last_step = r["step"]
+        elapsed = time.time() - start
+        rate = r["step"] / elapsed if elapsed > 0 else 0
+        eta = (self.max_steps - r["step"]) / rate if rate > 0 else float("nan")
+        line = (
+            f"[rayzero] step {r['step']}/{self.max_steps}  loss {r['loss']:.4f}  "
+            f"{r['samples_per_s']:.0f} samples/s  world {r['world_size']}  ETA {eta:.0f}s"
+        )
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
+
+
+def fit(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    cluster_cfg: ClusterConfig | dict | int | None = None,
+    config: Any = None,
+    data: Any = None,
+    loss_fn: Callable | None = None,
+    max_steps: int = 100,
+    train_step: Callable | None = None,
+    collate: Callable | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    record_samples: bool = False,
+    zero_init: bool | None = None,
+) -> Result:
+    """Train ``model`` on a Ray cluster with ZeRO; elastic when ``cluster_cfg.workers`` is ``(min, max)``.
+
+    ``data``: a torch map-style Dataset (sharded by rayzero's resumable seeded sampler), a
+    ``ray.data.Dataset`` (split across workers by Ray Train), or a factory ``(rank, world, micro_batch) ->
+    iterable of batches``.  ``loss_fn(model_output, batch)`` gives the loss, where the model is called on
+    ``batch[0]`` (or ``**batch`` for a dict); or ``train_step(engine, batch)`` runs forward, backward and
+    step itself and returns the loss.
+    """
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    cluster = ClusterConfig.from_any(cluster_cfg)
+    cfg = Config.from_any(config if config is not None else {})
+    global_batch = cfg.train_batch_size
+    if global_batch is None:
+        micro = cfg.train_micro_batch_size_per_gpu or 1
+        global_batch = micro * (cfg.gradient_accumulation_steps or 1) * cluster.min_workers
+    plans = plan_range(global_batch, cluster.min_workers, cluster.max_workers, cluster.micro_batch_sizes)
+    if max_steps < 1:
+        raise ConfigError(f"max_steps must be >= 1, got {max_steps}")
+    if not isinstance(model, torch.nn.Module) and not callable(model):
+        raise TypeError("model must be an nn.Module or a zero-argument factory that returns one")
+    _check_picklable(model)
+    name = cluster.name or f"rayzero-{time.strftime('%Y%m%d-%H%M%S')}"
+    _check_storage(cluster.storage)
+
+    _ensure_ray(cluster)
+    _wait_for_resources(cluster)
+    from rayzero.train.agent import format_node_table, node_table
+
+    nodes = node_table()
+    logger.info("nodes:\n%s", format_node_table(nodes))
+    print(format_node_table(nodes), flush=True)
+    for w, plan in plans.items():
+        logger.info("world %d: micro-batch %d x accumulation %d", w, plan.micro_batch, plan.accumulation)
+
+    config_dict = cfg.to_dict()
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        config_dict.pop(key, None)
+    spec = WorkerSpec(
+        model=model,
+        config=config_dict,
+        global_batch=global_batch,
+        max_steps=max_steps,
+        data=None if _is_ray_dataset(data) else data,
+        loss_fn=loss_fn,
+        train_step=train_step,
+        collate=collate,
+        micro_batch_sizes=cluster.micro_batch_sizes,
+        checkpoint_every=cluster.checkpoint_every,
+        seed=seed,
+        shuffle=shuffle,
+        record_samples=record_samples,
+        zero_init=bool(zero_init) if zero_init is not None else (cfg.zero_optimization.stage == 3 and not isinstance(model, torch.nn.Module)),
+    )
+    workers = (cluster.min_workers, cluster.max_workers) if cluster.elastic else cluster.min_workers
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=spec,
+        scaling_config=ScalingConfig(
+            num_workers=workers,
+            use_gpu=cluster.use_gpu,
+            resources_per_worker=cluster.resources_per_worker,
+            elastic_resize_monitor_interval_s=cluster.elastic_check_interval_s,
+        ),
+        run_config=RunConfig(
+            name=name,
+            storage_path=cluster.storage,
+            failure_config=FailureConfig(max_failures=cluster.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cluster.keep_checkpoints),
+        ),
+        datasets={"train": data} if _is_ray_dataset(data) else None,
+    )
+    run_dir = Storage.resolve(cluster.storage).join(name)
+    progress = _Progress(run_dir, max_steps) if cluster.progress else None
+    if progress is not None:
+        progress.start()
+    try:
+        result = trainer.fit()
+    finally:
+        if progress is not None:
+            progress.stop.set()
+            progress.join(timeout=10)
+    if result.error is not None:
+        raise result.error
+    history = read_metrics(run_dir)
+    by_step: dict[int, dict] = {}
+    for r in history:  # a restart re-does steps after its checkpoint: the last record of a step wins
+        by_step[r["step"]] = r
+    worlds: list[int] = []
+    for r in history:
+        if not worlds or worlds[-1] != r["world_size"]:
+            worlds.append(r["world_size"])
+    return Result(
+        metrics=dict(result.metrics or {}),
+        losses=[by_step[s]["loss"] for s in sorted(by_step)],
+        checkpoint=result.checkpoint.path if result.checkpoint is not None else None,
+        world_sizes=worlds,
+        run_dir=run_dir,
+        history=history,
+    )
+
+
+def _is_ray_dataset(data: Any) -> bool:
+    try:
+        import ray.data
+
+        return isinstance(data, ray.data.Dataset)
+    except ImportError:
+        return False
