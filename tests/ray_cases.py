@@ -1,0 +1,116 @@
+"""Data, model and loops shared by the Ray tests and their plain multi-process references."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.nn.functional as F
+
+IN, OUT = 7, 5
+
+
+class Regression(torch.utils.data.Dataset):
+    def __init__(self, n: int = 96):
+        g = torch.Generator().manual_seed(11)
+        self.x = torch.randn(n, IN, generator=g)
+        self.y = torch.randn(n, OUT, generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def model_factory():
+    return torch.nn.Sequential(torch.nn.Linear(IN, 13), torch.nn.Tanh(), torch.nn.Linear(13, OUT))
+
+
+def mse(out, batch):
+    return F.mse_loss(out.float(), batch[1])
+
+
+CONFIG = {
+    "train_batch_size": 12,
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 40},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "gradient_clipping": 1.0,
+}
+
+
+def plain_run(rank, world, steps, micro):
+    """The same training as rayzero.fit, by the engine alone on a gloo group: the reference."""
+    import torch.distributed as dist
+
+    import rayzero
+    from rayzero.train.data import GlobalOrder, micro_batches
+
+    data = Regression()
+    torch.manual_seed(0)
+    engine = rayzero.initialize(model_factory(), {**CONFIG, "train_micro_batch_size_per_gpu": micro})
+    order = GlobalOrder(len(data), seed=0)
+    losses = []
+    for step in range(steps):
+        total = torch.zeros(1)
+        acc = CONFIG["train_batch_size"] // (world * micro)
+        for ids in micro_batches(order, step, CONFIG["train_batch_size"], world, rank, micro):
+            batch = torch.utils.data.default_collate([data[i] for i in ids])
+            loss = mse(engine(batch[0]), batch)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach() / acc
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    engine.destroy()
+    return losses
+
+
+class KillOnce:
+    """A train_step that SIGKILLs one rank's process at one step, only on the first attempt."""
+
+    def __init__(self, marker: str, rank: int, step: int, delay_s: float = 0.0):
+        self.marker, self.rank, self.step, self.delay_s = marker, rank, step, delay_s
+
+    def __call__(self, engine, batch):
+        import time
+
+        import ray.train
+
+        if (
+            engine.global_steps == self.step
+            and ray.train.get_context().get_world_rank() == self.rank
+            and not os.path.exists(self.marker)
+        ):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        loss = mse(engine(batch[0]), batch)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+
+def final_samples(samples_file: str) -> dict[int, list[int]]:
+    """Per step, the sample ids of the attempt that counted (a restarted step's later records win)."""
+    import json
+
+    per_step: dict[int, dict[int, list[int]]] = {}
+    worlds: dict[int, int] = {}
+    with open(samples_file) as f:
+        for line in f:
+            r = json.loads(line)
+            if worlds.get(r["step"]) != r["world_size"]:
+                per_step[r["step"]] = {}
+                worlds[r["step"]] = r["world_size"]
+            per_step[r["step"]][r["rank"]] = r["ids"]
+    return {s: sorted(i for ids in ranks.values() for i in ids) for s, ranks in per_step.items()}
+
+
+def expected_samples(steps: int, global_batch: int, length: int, seed: int = 0) -> dict[int, list[int]]:
+    from rayzero.train.data import GlobalOrder
+
+    order = GlobalOrder(length, seed)
+    return {s: sorted(order.step_indices(s, global_batch)) for s in range(steps)}

@@ -1,0 +1,94 @@
+"""rayzero.fit on a real local Ray cluster (one per module): results, restarts, bad input."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import rayzero
+from distributed import run_distributed
+from ray_cases import CONFIG, KillOnce, Regression, expected_samples, final_samples, model_factory, mse, plain_run
+
+ray = pytest.importorskip("ray")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": TESTS}})
+    yield
+    ray.shutdown()
+
+
+def test_fit_gives_the_losses_of_the_plain_engine(tmp_path):
+    steps = 6
+    result = rayzero.fit(
+        model_factory,
+        {"workers": 2, "storage": str(tmp_path), "name": "same", "checkpoint_every": 3, "progress": False},
+        config=CONFIG,
+        data=Regression(),
+        loss_fn=mse,
+        max_steps=steps,
+        record_samples=True,
+    )
+    reference = run_distributed(plain_run, 2, steps, 6)[0]
+    assert result.losses == pytest.approx(reference, rel=1e-6)
+    assert result.world_sizes == [2]
+    assert result.checkpoint.endswith("checkpoint_step00000006")
+    assert final_samples(os.path.join(result.run_dir, "samples.jsonl")) == expected_samples(steps, 12, 96)
+    # the run's metrics and plot
+    assert [r["step"] for r in result.history] == list(range(1, steps + 1))
+    from rayzero.train.metrics import plot_loss
+
+    png = plot_loss(result.run_dir, str(tmp_path / "loss.png"))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_worker_killed_with_sigkill_restarts_and_loses_no_sample(tmp_path):
+    steps = 8
+    marker = str(tmp_path / "killed-once")
+    result = rayzero.fit(
+        model_factory,
+        {"workers": 2, "storage": str(tmp_path), "name": "kill", "checkpoint_every": 2, "max_failures": 2,
+         "progress": False},
+        config=CONFIG,
+        data=Regression(),
+        train_step=KillOnce(marker, rank=1, step=5),
+        max_steps=steps,
+        record_samples=True,
+    )
+    assert os.path.exists(marker), "the worker was never killed"
+    # killed while computing step 6; the restart resumed from the checkpoint of step 4 and redid step 5
+    assert [r["step"] for r in result.history] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    assert final_samples(os.path.join(result.run_dir, "samples.jsonl")) == expected_samples(steps, 12, 96)
+    reference = run_distributed(plain_run, 2, steps, 6)[0]
+    assert result.losses == pytest.approx(reference, rel=1e-6)  # the restart changed nothing
+
+
+class Unpicklable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.lock = threading.Lock()
+
+
+def test_bad_input_fails_before_training_with_clear_errors(tmp_path):
+    with pytest.raises(TypeError, match="factory"):
+        rayzero.fit(Unpicklable(), {"workers": 1, "storage": str(tmp_path)}, config=CONFIG, data=Regression())
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(PermissionError, match="cannot write to the run storage"):
+        rayzero.fit(model_factory, {"workers": 1, "storage": str(blocker / "runs")}, config=CONFIG, data=Regression())
+    with pytest.raises(RuntimeError, match="too small for 5 worker"):
+        rayzero.fit(
+            model_factory,
+            {"workers": 5, "storage": str(tmp_path), "start_timeout_s": 2},
+            config={**CONFIG, "train_batch_size": 10},
+            data=Regression(),
+        )
+    with pytest.raises(rayzero.ConfigError, match="cannot be kept at every world size"):
+        rayzero.fit(model_factory, {"workers": (1, 3), "storage": str(tmp_path)}, config={**CONFIG, "train_batch_size": 8},
+                    data=Regression())
