@@ -3,7 +3,8 @@
 
 A 2-rank ZeRO-2 run trains 3 steps, saves to S3 and trains 2 more; fresh engines (2 ranks stage 2, and one
 in-process rank at stage 3) load from S3 and train the same 2 steps.  The same world and stage must repeat the
-uninterrupted run bitwise; the resharded world-1 stage-3 run must match within 1e-6 relative.
+uninterrupted run bitwise; the resharded world-1 stage-3 run must match within 1e-6 relative.  An async save
+to S3 must load back bitwise too.  The server is stopped when the module's tests end.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import os
 import random
 
 import numpy as np
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -278,11 +278,13 @@ class CheckpointIO:
         if engine.rank == 0:
             try:
                 prepare(storage, tag)
-            except OSError as e:
+            except Exception as e:  # every rank must hear of it, or the others would wait forever
                 error = e
         flag = torch.tensor([1.0 if error is not None else 0.0])
         engine.comm.sum_scalar(flag)  # also the barrier: the staging directory exists for every rank
         if flag.item() > 0:
+            if isinstance(error, CheckpointError):
+                raise error
             raise CheckpointError(
                 f"cannot create checkpoint directory under {save_dir!r}: {error or 'failed on rank 0'}; "
                 "check the path and its permissions"

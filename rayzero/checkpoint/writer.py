@@ -33,18 +33,32 @@ def staging_dir(storage: Storage, tag: str) -> str:
     return storage.join(STAGING_PREFIX + tag) if storage.local else storage.join(tag)
 
 
+INCOMPLETE = ".rayzero-incomplete"  # object stores: marks a checkpoint directory still being written
+
+
 def prepare(storage: Storage, tag: str) -> None:
-    """Rank 0, before the barrier: a clean staging directory, and no leftovers of crashed saves."""
+    """Rank 0, before the barrier: a clean staging directory, and no leftovers of crashed saves.
+
+    Only directories rayzero itself marked as unfinished are ever removed, never other data."""
     storage.makedirs(storage.root)
     for name in storage.listdir(storage.root):
         if name.startswith(STAGING_PREFIX) or name.startswith(".old-"):
             storage.delete_dir(storage.join(name))
-        elif not storage.local and name != LATEST and storage.is_dir(storage.join(name)):
-            if not storage.exists(storage.join(name, MANIFEST)):  # never committed
+        elif not storage.local and storage.exists(storage.join(name, INCOMPLETE)):
+            if not storage.exists(storage.join(name, MANIFEST)):
                 storage.delete_dir(storage.join(name))
     stage = staging_dir(storage, tag)
+    if not storage.local and storage.exists(storage.join(tag, MANIFEST)):
+        # An object store cannot swap a directory atomically: replacing the tag would delete the
+        # committed checkpoint before the new one exists.
+        raise CheckpointError(
+            f"checkpoint {tag!r} already exists in {storage.root!r}; on object stores a committed checkpoint is "
+            "never overwritten: save under a new tag (the default tag includes the step)"
+        )
     storage.delete_dir(stage)
     storage.makedirs(stage)
+    if not storage.local:
+        storage.write_bytes_atomic(f"{stage}/{INCOMPLETE}", b"")
 
 
 def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment], extra: dict) -> None:
@@ -112,6 +126,8 @@ def commit(
     for r in range(world):
         base = f"{stage}{sep}{rank_file_name(r)[: -len('.arrow')]}"
         storage.fs.delete_file(base + ".done.json")
+    if not storage.local:
+        storage.fs.delete_file(f"{stage}/{INCOMPLETE}")
     if storage.local:
         final = storage.join(tag)
         if storage.exists(final):  # re-saving a tag: move the old one aside, then drop it after the switch
