@@ -58,7 +58,7 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(run=_ckpt_inspect)
 
-    p = cmds.add_parser("verify", help="check every file's size and sha256 and every fragment's crc32")
+    p = cmds.add_parser("verify", help="check every file's size and hash and every fragment's hash")
     p.add_argument("dir", help=where)
     p.add_argument("--tag", help="checkpoint tag (default: the one 'latest' names)")
     p.set_defaults(run=_ckpt_verify)

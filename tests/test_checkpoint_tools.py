@@ -192,9 +192,9 @@ def test_verify_detects_a_flipped_byte_in_file_and_fragment(ckpt_w2, tmp_path):
     ckpt_dir = os.path.join(save_dir, "global_step3")
     entry = _flip_middle_of_fragment(ckpt_dir, "rank_00001.arrow")
     problems = verify(save_dir)
-    assert any(p.startswith("rank_00001.arrow: sha256 mismatch") for p in problems), problems
+    assert any(p.startswith("rank_00001.arrow: file hash mismatch") for p in problems), problems
     frag = f"rank_00001.arrow: fragment {entry['i']} ({entry['param']}/{entry['state']} [{entry['start']}, "
-    assert any(p.startswith(frag) and p.endswith("crc32 mismatch") for p in problems), problems
+    assert any(p.startswith(frag) and p.endswith("checksum mismatch") for p in problems), problems
     assert len(problems) == 2, problems  # nothing about rank 0's file, no coverage noise
     # the engine's own reader refuses it too
     engine = rayzero.initialize(make_tied(), {"zero_optimization": {"stage": 3}})
@@ -214,7 +214,7 @@ def test_verify_flip_at_the_middle_of_the_file(ckpt_w1, tmp_path):
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0xFF]))
     problems = verify(save_dir)
-    assert problems and problems[0].startswith("rank_00000.arrow: sha256 mismatch"), problems
+    assert problems and problems[0].startswith("rank_00000.arrow: file hash mismatch"), problems
 
 
 def test_verify_missing_truncated_and_incomplete(ckpt_w2, tmp_path):
@@ -226,7 +226,7 @@ def test_verify_missing_truncated_and_incomplete(ckpt_w2, tmp_path):
     problems = verify(save_dir)
     assert "rank_00000.arrow: missing" in problems
     assert any(p.startswith("rank_00001.arrow: size 100 bytes") for p in problems), problems
-    assert any(p.startswith("rank_00001.arrow: sha256 mismatch") for p in problems), problems
+    assert any(p.startswith("rank_00001.arrow: file hash mismatch") for p in problems), problems
     assert any("corrupt or truncated" in p for p in problems), problems
     # a manifest that lists only one of two ranks' files: the missing half shows as uncovered ranges
     save_dir = _copy(ckpt_w2[0], tmp_path / "b")
@@ -338,7 +338,7 @@ def test_cli_inspect_verify_export(ckpt_w2, tmp_path):
     _flip_middle_of_fragment(os.path.join(save_dir, "global_step3"), "rank_00000.arrow")
     r = rayzero_cli("ckpt", "verify", save_dir)
     assert r.returncode == 1
-    assert "rank_00000.arrow: sha256 mismatch" in r.stdout and "crc32 mismatch" in r.stdout
+    assert "rank_00000.arrow: file hash mismatch" in r.stdout and "checksum mismatch" in r.stdout
 
 
 def test_cli_errors_are_one_line_exit_2(tmp_path):

@@ -442,13 +442,17 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
 
     torch_state: dict[int, dict] = {}
     for gi, g in enumerate(engine.partitions.groups):
-        flats = {name: torch.zeros_like(g.master) for name in state_names}
+        complete = all(e.name in loadable for e in g.layout.entries)  # then every element gets overwritten
+        new = torch.empty_like if complete else torch.zeros_like
+        flats = {name: new(g.master) for name in state_names}
         step_info = None
         for p, e in zip(g.params, g.layout.entries):
             if e.name not in loadable:
                 continue
             saved_name = saved_params[e.name]["name"]
             lo, hi = _local_range(engine, e)
+            for name, flat in flats.items():  # padding past the owned range stays zero
+                flat[e.partition_offset + hi - lo : e.partition_offset + e.chunk].zero_()
             if hi > lo:
                 index.fill(saved_name, STATE_MASTER, lo, hi, g.master[e.partition_offset : e.partition_offset + hi - lo])
                 for name, flat in flats.items():

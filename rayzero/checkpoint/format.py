@@ -2,16 +2,16 @@
 
 A checkpoint is a directory::
 
-    manifest.json            written last: what was saved, by whom, and a sha256 per fragment file
+    manifest.json            written last: what was saved, by whom, and an XXH3 hash per fragment file
     rank_00000.arrow         Arrow IPC file: the fragments rank 0 owned
     rank_00001.arrow         ...
 
 Each fragment file holds one record batch per fragment, one row each, with the columns
 ``param`` (the model's parameter name), ``state`` ("fp32" for the master weights, "whole" for module
 buffers and frozen parameters, saved whole by rank 0, or an optimizer state name such as "exp_avg"), ``start``/``end`` (the element range of the
-flattened parameter), ``dtype`` (torch dtype name), ``crc32`` (of the data bytes) and ``data`` (the raw
+flattened parameter), ``dtype`` (torch dtype name), ``xxh3`` (the 64-bit XXH3 hash of the data bytes) and ``data`` (the raw
 little-endian bytes; bf16 as its 16-bit patterns).  The schema metadata key ``rayzero.index`` lists the
-same (param, state, start, end, dtype, crc32) per batch, so a reader finds a fragment from the file
+same (param, state, start, end, dtype, xxh3) per batch, so a reader finds a fragment from the file
 footer alone and reads only that batch: memory-mapped locally, as ranged reads on object stores.
 """
 
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import warnings
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import torch
+import xxhash
 
 FORMAT_NAME = "rayzero-universal-checkpoint"
 FORMAT_VERSION = 1
@@ -41,7 +41,7 @@ SCHEMA = pa.schema(
         ("start", pa.int64()),
         ("end", pa.int64()),
         ("dtype", pa.string()),
-        ("crc32", pa.uint32()),
+        ("xxh3", pa.uint64()),
         ("data", pa.large_binary()),
     ]
 )
@@ -99,7 +99,7 @@ def write_fragments(sink, fragments: list[Fragment]) -> list[dict]:
                 "start": f.start,
                 "end": f.end,
                 "dtype": dtype_name(f.tensor.dtype),
-                "crc32": zlib.crc32(raw),
+                "xxh3": xxhash.xxh3_64_intdigest(raw),
             }
         )
     schema = SCHEMA.with_metadata({INDEX_KEY: json.dumps(index, separators=(",", ":")).encode()})
@@ -115,7 +115,7 @@ def write_fragments(sink, fragments: list[Fragment]) -> list[dict]:
                     pa.array([entry["start"]], pa.int64()),
                     pa.array([entry["end"]], pa.int64()),
                     pa.array([entry["dtype"]], pa.string()),
-                    pa.array([entry["crc32"]], pa.uint32()),
+                    pa.array([entry["xxh3"]], pa.uint64()),
                     data,
                 ],
                 schema=schema,
@@ -151,7 +151,7 @@ class FragmentFile:
             raw = np.frombuffer(data, dtype=np.uint8)[lo:hi]
         except (pa.ArrowInvalid, OSError, ValueError) as e:
             raise ChecksumError(f"fragment file {self.name}: fragment {i} unreadable ({e})") from None
-        if zlib.crc32(raw) != entry["crc32"]:
+        if xxhash.xxh3_64_intdigest(raw) != entry["xxh3"]:
             raise ChecksumError(
                 f"checksum mismatch in {self.name}: fragment {entry['param']}/{entry['state']} "
                 f"[{entry['start']}, {entry['end']}) is corrupt; restore the file or load an earlier checkpoint"

@@ -6,13 +6,13 @@ order (fragment files, then the manifest, then ``latest``), which is what reader
 
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import xxhash
 
 
 @dataclass(frozen=True)
@@ -50,16 +50,20 @@ class Storage:
         with self.fs.open_input_stream(path) as f:
             return f.read()
 
-    def write_bytes_atomic(self, path: str, data: bytes) -> None:
-        """Write ``data`` so that readers see the old content or the new one, never a mix."""
+    def write_bytes_atomic(self, path: str, data: bytes, durable: bool = True) -> None:
+        """Write ``data`` so that readers see the old content or the new one, never a mix.
+
+        ``durable=False`` skips the fsyncs, for files whose loss in a crash only loses a save in flight."""
         if self.local:
             tmp = f"{path}.tmp-{os.getpid()}"
             with open(tmp, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
-            fsync_dir(os.path.dirname(path))
+            if durable:
+                fsync_dir(os.path.dirname(path))
         else:  # object stores publish a whole object at close
             with self.fs.open_output_stream(path) as f:
                 f.write(data)
@@ -118,13 +122,13 @@ class HashingWriter:
     def __init__(self, raw, local_file=None):
         self.raw = raw
         self.local_file = local_file
-        self.sha256 = hashlib.sha256()
+        self.hasher = xxhash.xxh3_64()
         self.size = 0
         self.closed = False
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self.sha256.update(view)
+        self.hasher.update(view)
         self.raw.write(view)
         self.size += view.nbytes
         return view.nbytes
@@ -148,8 +152,9 @@ class HashingWriter:
         self.closed = True
 
 
-def sha256_of(storage: Storage, path: str, block: int = 8 << 20) -> str:
-    h = hashlib.sha256()
+def xxh3_of(storage: Storage, path: str, block: int = 8 << 20) -> str:
+    """The file's 64-bit XXH3 hash (hex), streamed: what the manifest records per fragment file."""
+    h = xxhash.xxh3_64()
     with storage.fs.open_input_stream(path) as f:
         while True:
             chunk = f.read(block)

@@ -25,7 +25,7 @@ from rayzero.checkpoint.format import (
     FragmentFile,
     dtype_from_name,
 )
-from rayzero.checkpoint.storage import Storage, sha256_of
+from rayzero.checkpoint.storage import Storage, xxh3_of
 
 __all__ = ["inspect", "format_inspect", "verify", "export"]
 
@@ -84,7 +84,7 @@ def inspect(path_or_uri: str | os.PathLike, tag: str | None = None) -> dict:
          "states": ordered(states_of.get(w["name"], set()))}
         for w in m.get("whole", [])
     ]
-    files = [{"file": f["file"], "size": f["size"], "fragments": f["fragments"], "sha256": f["sha256"]}
+    files = [{"file": f["file"], "size": f["size"], "fragments": f["fragments"], "xxh3": f["xxh3"]}
              for f in m["files"]]
     client_state = m.get("client_state")
     groups = m["optimizer"]["param_groups"]
@@ -172,8 +172,8 @@ def format_inspect(summary: dict) -> str:
         rows = [[w["name"], str(tuple(w["shape"])), f"{w['numel']:,}", w["dtype"]] for w in s["whole"]]
         lines += ["  " + ln for ln in _table(["name", "shape", "numel", "dtype"], rows)]
     lines += ["", "files:"]
-    rows = [[f["file"], f"{f['size']:,}", str(f["fragments"]), f["sha256"][:16]] for f in s["files"]]
-    lines += ["  " + ln for ln in _table(["file", "bytes", "fragments", "sha256"], rows)]
+    rows = [[f["file"], f"{f['size']:,}", str(f["fragments"]), f["xxh3"]] for f in s["files"]]
+    lines += ["  " + ln for ln in _table(["file", "bytes", "fragments", "xxh3"], rows)]
     lines.append(f"  total {s['total_bytes']:,} bytes ({_human(s['total_bytes'])}), {s['num_fragments']} fragments")
     return "\n".join(lines)
 
@@ -182,8 +182,8 @@ def format_inspect(summary: dict) -> str:
 def verify(path_or_uri: str | os.PathLike, tag: str | None = None) -> list[str]:
     """Every problem found in a committed checkpoint; an empty list means it is intact.
 
-    Checks, per file in the manifest: present, its size, its sha256 (streamed), its footer index, and each
-    fragment's crc32 and length; then that every parameter's master weights (and every state saved for it)
+    Checks, per file in the manifest: present, its size, its XXH3 hash (streamed), its footer index, and each
+    fragment's XXH3 hash and length; then that every parameter's master weights (and every state saved for it)
     and every whole tensor are covered exactly once.  A manifest that cannot be read raises CheckpointError.
     """
     ck = _open(path_or_uri, tag)
@@ -203,9 +203,9 @@ def verify(path_or_uri: str | os.PathLike, tag: str | None = None) -> list[str]:
         size = storage.file_size(path)
         if size != info["size"]:
             problems.append(f"{name}: size {size} bytes, the manifest says {info['size']} (truncated or replaced)")
-        digest = sha256_of(storage, path)
-        if digest != info["sha256"]:
-            problems.append(f"{name}: sha256 mismatch (file {digest[:16]}..., manifest {info['sha256'][:16]}...)")
+        digest = xxh3_of(storage, path)
+        if digest != info["xxh3"]:
+            problems.append(f"{name}: file hash mismatch (file xxh3 {digest}, manifest {info['xxh3']})")
         try:
             ff = FragmentFile(name, storage.open_random_access(path))
         except CheckpointError as e:
@@ -220,7 +220,7 @@ def verify(path_or_uri: str | os.PathLike, tag: str | None = None) -> list[str]:
             try:
                 data = ff.read(i)
             except ChecksumError as e:
-                problems.append(f"{where}: crc32 mismatch" if "checksum mismatch" in str(e) else f"{where}: {e}")
+                problems.append(f"{where}: checksum mismatch" if "checksum mismatch" in str(e) else f"{where}: {e}")
                 continue
             if data.numel() != entry["end"] - entry["start"]:
                 n = entry["end"] - entry["start"]

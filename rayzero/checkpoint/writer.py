@@ -6,7 +6,7 @@ Commit protocol (no collectives, so it can run on a background thread while trai
    directories left by crashed saves.  All ranks meet at a barrier (the caller does that on the main
    thread), then each rank:
 2. writes ``rank_XXXXX.arrow`` under a temporary name, syncs it, renames it, and drops a small
-   ``rank_XXXXX.done.json`` marker with its size, sha256 and RNG state (or ``rank_XXXXX.error.json``);
+   ``rank_XXXXX.done.json`` marker with its size, XXH3 hash and RNG state (or ``rank_XXXXX.error.json``);
 3. rank 0 waits for every marker, writes ``manifest.json`` (synced, renamed into place), renames the
    staging directory to ``<dir>/<tag>`` and only then moves ``<dir>/latest`` to the new tag.
 
@@ -78,9 +78,10 @@ def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment
         sink.close()
         if storage.local:
             os.replace(tmp, final)
-        marker = {"file": rank_file_name(rank), "size": sink.size, "sha256": sink.sha256.hexdigest(),
+        marker = {"file": rank_file_name(rank), "size": sink.size, "xxh3": sink.hasher.hexdigest(),
                   "fragments": len(index), **extra}
-        storage.write_bytes_atomic(f"{final[: -len('.arrow')]}.done.json", json.dumps(marker).encode())
+        # The marker only tells rank 0 this file is complete; the manifest (fsynced) is what commits.
+        storage.write_bytes_atomic(f"{final[: -len('.arrow')]}.done.json", json.dumps(marker).encode(), durable=False)
     except BaseException as e:
         try:
             storage.write_bytes_atomic(
