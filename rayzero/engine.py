@@ -399,6 +399,7 @@ class Engine:
         if self._destroyed:
             return
         self._checkpoint.wait()
+        self._checkpoint.release()
         _live_engines.discard(self)
         self.reducer.remove_hooks()
         if self.gatherer is not None:

@@ -76,10 +76,22 @@ def _scalar_states(engine: "Engine") -> dict[int, dict[str, dict]]:
     return out
 
 
-def snapshot(engine: "Engine", copy: bool) -> list[Fragment]:
-    """This rank's fragments (cloned to CPU memory when ``copy``, for a save that overlaps training)."""
+def snapshot(engine: "Engine", staging: dict | None) -> list[Fragment]:
+    """This rank's fragments: views of the live tensors, or (``staging`` given, for a save that overlaps
+    training) copies in CPU buffers kept from one async save to the next, so that later snapshots are a
+    plain memory copy with no allocation or page faults."""
     frags: list[Fragment] = []
-    take = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach().to("cpu"))
+
+    def take(t: torch.Tensor, key: tuple) -> torch.Tensor:
+        t = t.detach()
+        if staging is None:
+            return t.to("cpu")
+        buf = staging.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = staging[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        buf.copy_(t)
+        return buf
+
     states = _tensor_states(engine)
     for gi, g in enumerate(engine.partitions.groups):
         for e in g.layout.entries:
@@ -88,12 +100,12 @@ def snapshot(engine: "Engine", copy: bool) -> list[Fragment]:
             if s1 <= s0:
                 continue
             a, b = e.partition_offset + s0 - lo, e.partition_offset + s1 - lo
-            frags.append(Fragment(e.name, STATE_MASTER, s0, s1, take(g.master[a:b])))
+            frags.append(Fragment(e.name, STATE_MASTER, s0, s1, take(g.master[a:b], (e.name, STATE_MASTER))))
             for name, flat in states[gi].items():
-                frags.append(Fragment(e.name, name, s0, s1, take(flat[a:b])))
+                frags.append(Fragment(e.name, name, s0, s1, take(flat[a:b], (e.name, name))))
     if engine.rank == 0:
         for name, t in _whole_tensors(engine).items():
-            frags.append(Fragment(name, STATE_WHOLE, 0, t.numel(), take(t.detach().reshape(-1))))
+            frags.append(Fragment(name, STATE_WHOLE, 0, t.numel(), take(t.reshape(-1), (name, STATE_WHOLE))))
     return frags
 
 
@@ -248,6 +260,7 @@ class CheckpointIO:
     def __init__(self, engine: "Engine"):
         self.engine = engine
         self.pending: BackgroundSave | None = None
+        self.staging: dict = {}  # async saves' CPU copies, reused across saves; freed by release()
 
     def wait(self) -> None:
         """Settle an in-flight save on every rank; a failure on any rank raises on all of them."""
@@ -259,6 +272,9 @@ class CheckpointIO:
             raise CheckpointError(f"saving the checkpoint failed on rank {self.engine.rank}: {error}") from error
         if failed.item() > 0:
             raise CheckpointError("saving the checkpoint failed on another rank (see its error)")
+
+    def release(self) -> None:
+        self.staging.clear()
 
     def wait_local(self) -> None:
         """Process exit: finish the local part of a save without collectives."""
@@ -289,7 +305,7 @@ class CheckpointIO:
                 f"cannot create checkpoint directory under {save_dir!r}: {error or 'failed on rank 0'}; "
                 "check the path and its permissions"
             )
-        fragments = snapshot(engine, copy=async_save)
+        fragments = snapshot(engine, self.staging if async_save else None)
         extra = {"rng": _rng_state()}
         world, rank = engine.comm.world, engine.rank
         # The manifest's contents are taken now, so a save that overlaps training records this step.
