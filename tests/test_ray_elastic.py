@@ -1,0 +1,111 @@
+"""Elastic resize on a real multi-node Ray cluster (ray.cluster_utils.Cluster): grow, shrink, lose nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+import rayzero
+from ray_cases import CONFIG, Regression, expected_samples, final_samples, model_factory, mse
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+class SlowWhileFlag:
+    """A train step that takes a while as long as a flag file exists, so the test can resize mid-run."""
+
+    def __init__(self, flag: str, delay_s: float):
+        self.flag, self.delay_s = flag, delay_s
+
+    def __call__(self, engine, batch):
+        if os.path.exists(self.flag):
+            time.sleep(self.delay_s)
+        loss = mse(engine(batch[0]), batch)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+
+def _worlds(run_dir: str) -> list[int]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    for line in open(path):
+        try:
+            out.append(json.loads(line)["world_size"])
+        except (ValueError, KeyError):
+            pass
+    return out
+
+
+def _wait(pred, timeout: float, what: str, box: dict) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if "error" in box:
+            raise box["error"]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_grow_and_shrink_keep_the_global_batch_and_every_sample(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", TESTS)  # the workers import the test helpers
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")  # shrink quickly after a node leaves
+    cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 1})
+    flag = str(tmp_path / "slow")
+    open(flag, "w").close()
+    steps, name = 150, "elastic"
+    run_dir = str(tmp_path / name)
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = rayzero.fit(
+                model_factory,
+                {"workers": (1, 3), "storage": str(tmp_path), "name": name, "checkpoint_every": 5,
+                 "max_failures": 5, "elastic_check_interval_s": 2, "progress": False},
+                config=CONFIG,
+                data=Regression(),
+                train_step=SlowWhileFlag(flag, 0.5),
+                max_steps=steps,
+                record_samples=True,
+            )
+        except BaseException as e:  # re-raised by the main thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        _wait(lambda: len(_worlds(run_dir)) >= 3, 120, "the first steps at world 1", box)
+        assert _worlds(run_dir)[0] == 1
+        node = cluster.add_node(num_cpus=2)
+        _wait(lambda: 3 in _worlds(run_dir), 150, "the run to grow to 3 workers", box)
+        time.sleep(2)
+        cluster.remove_node(node)
+        _wait(lambda: _worlds(run_dir)[-1] == 1 and 3 in _worlds(run_dir), 150, "the run to shrink back", box)
+        os.remove(flag)  # let the rest of the run go fast
+        thread.join(timeout=240)
+        assert not thread.is_alive(), "fit did not finish"
+        if "error" in box:
+            raise box["error"]
+    finally:
+        if os.path.exists(flag):
+            os.remove(flag)
+        thread.join(timeout=60)
+        ray.shutdown()
+        cluster.shutdown()
+
+    result = box["result"]
+    assert result.world_sizes[0] == 1 and 3 in result.world_sizes and result.world_sizes[-1] == 1
+    for r in result.history:  # the same global batch at every world size
+        assert r["micro_batch"] * r["accumulation"] * r["world_size"] == CONFIG["train_batch_size"]
+    # none repeated, none skipped: every step's samples are exactly the planned ones
+    assert final_samples(os.path.join(run_dir, "samples.jsonl")) == expected_samples(steps, 12, 96)
+    assert len(result.losses) == steps
