@@ -531,7 +531,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="reduce/all-gather bucket size in elements for rayzero and DeepSpeed, and DDP's "
                         "bucket_cap_mb (x4 bytes); default 6,553,600 = DDP's 25 MiB")
     p.add_argument("--adam-fused", action="store_true",
-                   help="AdamW(fused=True) in every system (default: torch's default implementation)")
+                   help="AdamW(fused=True) in every system (default: each system's own default; rayzero's is fused)")
     a = p.parse_args(argv)
     if a.quick:
         a.dim, a.hidden, a.blocks = 32, 128, 2
