@@ -92,3 +92,47 @@ def test_bad_input_fails_before_training_with_clear_errors(tmp_path):
     with pytest.raises(rayzero.ConfigError, match="cannot be kept at every world size"):
         rayzero.fit(model_factory, {"workers": (1, 3), "storage": str(tmp_path)}, config={**CONFIG, "train_batch_size": 8},
                     data=Regression())
+
+
+def test_plan_that_cannot_fit_in_node_memory_is_rejected(tmp_path):
+    from rayzero.train.fit import model_state_bytes_per_worker
+
+    assert model_state_bytes_per_worker(1000, 0, 2, False) == 16_000
+    assert model_state_bytes_per_worker(1000, 2, 2, False) == 4_000 + 8_000
+    assert model_state_bytes_per_worker(1000, 3, 4, False) == 4_000
+    # a model whose parameters are stand-ins (no memory) but claim 2**36 elements: 1 TiB of state
+    big = torch.nn.Linear(1, 1)
+    big.weight = torch.nn.Parameter(torch.zeros(1).expand(2**18, 2**18))
+    with pytest.raises(rayzero.ConfigError, match="the plan cannot fit"):
+        rayzero.fit(big, {"workers": 1, "storage": str(tmp_path)}, config=CONFIG, data=Regression())
+
+
+def _stream(rank, world, micro):
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        x = torch.randn(micro, 7, generator=g)
+        yield x, x[:, :5] * 2
+
+
+def test_iterable_factory_and_ray_dataset_inputs(tmp_path):
+    result = rayzero.fit(
+        model_factory, {"workers": 2, "storage": str(tmp_path), "name": "stream", "progress": False},
+        config=CONFIG, data=_stream, loss_fn=mse, max_steps=4,
+    )
+    assert len(result.losses) == 4 and all(l == l for l in result.losses)
+
+    items = [{"x": [float(i % 7)] * 7, "y": [float(i % 5)] * 5} for i in range(48)]
+    dataset = ray.data.from_items(items)
+
+    def step(engine, batch):
+        out = engine(batch["x"].float())
+        loss = torch.nn.functional.mse_loss(out.float(), batch["y"].float())
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    result = rayzero.fit(
+        model_factory, {"workers": 2, "storage": str(tmp_path), "name": "raydata", "progress": False},
+        config=CONFIG, data=dataset, train_step=step, max_steps=3,
+    )
+    assert len(result.losses) == 3 and result.world_sizes == [2]

@@ -180,6 +180,7 @@ def fit(
     nodes = node_table()
     logger.info("nodes:\n%s", format_node_table(nodes))
     print(format_node_table(nodes), flush=True)
+    _check_fits(model, cfg, cluster, nodes)
     for w, plan in plans.items():
         logger.info("world %d: micro-batch %d x accumulation %d", w, plan.micro_batch, plan.accumulation)
 
@@ -248,6 +249,40 @@ def fit(
         run_dir=run_dir,
         history=history,
     )
+
+
+def model_state_bytes_per_worker(num_params: int, stage: int, world: int, mixed_precision: bool) -> int:
+    """ZeRO model-state memory of one worker for fp32 master weights and AdamW: the plan's memory floor."""
+    weights = 2 if mixed_precision else 4  # the model's own (compute-dtype) parameters
+    if stage == 0:  # fp32: the parameters are the master; 16-bit: a separate copy
+        per_param = (4 if not mixed_precision else 4 + weights) + 4 + 8
+    elif stage == 1:  # full fp32 local gradients, partitioned master and moments
+        per_param = weights + 4 + (4 + 8) / world
+    elif stage == 2:
+        per_param = weights + (4 + 4 + 8) / world
+    else:
+        per_param = (4 + 4 + 8) / world
+    return int(per_param * num_params)
+
+
+def _check_fits(model: Any, cfg: Config, cluster: ClusterConfig, nodes: list[dict]) -> None:
+    """Reject a plan whose model states cannot fit in the memory the nodes' processes may really use."""
+    if not isinstance(model, torch.nn.Module) or not nodes:
+        return  # a factory's size is unknown before a worker builds it
+    n = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    need = model_state_bytes_per_worker(
+        n, cfg.zero_optimization.stage, cluster.min_workers, cfg.compute_dtype != torch.float32
+    )
+    biggest = max(r["memory_total"] for r in nodes)
+    total = sum(r["memory_total"] for r in nodes)
+    if need > biggest or need * cluster.min_workers > total:
+        gib = 1 << 30
+        raise ConfigError(
+            f"the plan cannot fit: {n:,} parameters at ZeRO stage {cfg.zero_optimization.stage} on "
+            f"{cluster.min_workers} worker(s) need {need / gib:.1f} GiB of model state per worker, and the nodes' "
+            f"usable memory is {[round(r['memory_total'] / gib, 1) for r in nodes]} GiB; use a higher ZeRO stage, "
+            "more workers, or bigger nodes"
+        )
 
 
 def _is_ray_dataset(data: Any) -> bool:
