@@ -103,6 +103,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--checkpoint-every", type=int, default=20)
+    p.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs each worker reserves (and uses as threads)")
     args = p.parse_args()
 
     text = open(TEXT, "rb").read()
@@ -120,7 +121,9 @@ def main() -> None:
         checkpoint_every=args.checkpoint_every,
         max_failures=2,
         elastic_check_interval_s=5,
+        resources_per_worker={"CPU": args.cpus_per_worker},
     )
+    os.environ.setdefault("RAYZERO_THREADS_PER_WORKER", str(args.cpus_per_worker))
     config = {
         "train_batch_size": args.global_batch,
         "zero_optimization": {"stage": args.stage},

@@ -61,8 +61,11 @@ def test_worker_killed_with_sigkill_restarts_and_loses_no_sample(tmp_path):
         record_samples=True,
     )
     assert os.path.exists(marker), "the worker was never killed"
-    # killed while computing step 6; the restart resumed from the checkpoint of step 4 and redid step 5
-    assert [r["step"] for r in result.history] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    # killed while computing step 6; the restart resumed from the latest checkpoint Ray had committed by
+    # then (step 4, or step 2 when the kill beat step 4's report) and redid the steps after it
+    history = [r["step"] for r in result.history]
+    assert history[:5] == [1, 2, 3, 4, 5]
+    assert history[5:] in ([5, 6, 7, 8], [3, 4, 5, 6, 7, 8]), history
     assert final_samples(os.path.join(result.run_dir, "samples.jsonl")) == expected_samples(steps, 12, 96)
     reference = run_distributed(plain_run, 2, steps, 6)[0]
     assert result.losses == pytest.approx(reference, rel=1e-6)  # the restart changed nothing

@@ -77,8 +77,8 @@ def _wait_for_resources(cluster: ClusterConfig) -> None:
     import ray
 
     need = {k: v * cluster.min_workers for k, v in cluster.resources_per_worker.items()}
-    if cluster.use_gpu:
-        need["GPU"] = need.get("GPU", 0) + cluster.min_workers
+    if cluster.use_gpu and "GPU" not in need:  # Ray gives each worker one GPU unless told otherwise
+        need["GPU"] = cluster.min_workers
     deadline = time.monotonic() + cluster.start_timeout_s
     while True:
         have = ray.cluster_resources()
@@ -164,7 +164,11 @@ def fit(
     if global_batch is None:
         micro = cfg.train_micro_batch_size_per_gpu or 1
         global_batch = micro * (cfg.gradient_accumulation_steps or 1) * cluster.min_workers
-    plans = plan_range(global_batch, cluster.min_workers, cluster.max_workers, cluster.micro_batch_sizes)
+    micro_sizes = cluster.micro_batch_sizes
+    if micro_sizes is None and cfg.train_micro_batch_size_per_gpu:
+        # The config's micro-batch is the largest the user wants; smaller ones that divide are acceptable.
+        micro_sizes = list(range(1, cfg.train_micro_batch_size_per_gpu + 1))
+    plans = plan_range(global_batch, cluster.min_workers, cluster.max_workers, micro_sizes)
     if max_steps < 1:
         raise ConfigError(f"max_steps must be >= 1, got {max_steps}")
     if not isinstance(model, torch.nn.Module) and not callable(model):
@@ -196,13 +200,21 @@ def fit(
         loss_fn=loss_fn,
         train_step=train_step,
         collate=collate,
-        micro_batch_sizes=cluster.micro_batch_sizes,
+        micro_batch_sizes=micro_sizes,
         checkpoint_every=cluster.checkpoint_every,
         seed=seed,
         shuffle=shuffle,
         record_samples=record_samples,
         zero_init=bool(zero_init) if zero_init is not None else (cfg.zero_optimization.stage == 3 and not isinstance(model, torch.nn.Module)),
     )
+    for what in ("data", "loss_fn", "train_step", "collate"):
+        try:
+            import ray.cloudpickle as cloudpickle
+
+            cloudpickle.dumps(getattr(spec, what))
+        except Exception as e:
+            raise TypeError(f"{what} cannot be sent to the workers ({type(e).__name__}: {e}); make it picklable "
+                            "(a module-level function or class, or a factory)") from None
     workers = (cluster.min_workers, cluster.max_workers) if cluster.elastic else cluster.min_workers
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -221,7 +233,12 @@ def fit(
         ),
         datasets={"train": data} if _is_ray_dataset(data) else None,
     )
-    run_dir = Storage.resolve(cluster.storage).join(name)
+    # keep a URI's scheme (and query) so the driver reads the run where the workers write it
+    if "://" in cluster.storage:
+        base, _, query = cluster.storage.partition("?")
+        run_dir = f"{base.rstrip('/')}/{name}" + (f"?{query}" if query else "")
+    else:
+        run_dir = os.path.join(cluster.storage, name)
     progress = _Progress(run_dir, max_steps) if cluster.progress else None
     if progress is not None:
         progress.start()
@@ -244,7 +261,7 @@ def fit(
     return Result(
         metrics=dict(result.metrics or {}),
         losses=[by_step[s]["loss"] for s in sorted(by_step)],
-        checkpoint=result.checkpoint.path if result.checkpoint is not None else None,
+        checkpoint=_checkpoint_location(cluster.storage, run_dir, result.checkpoint),
         world_sizes=worlds,
         run_dir=run_dir,
         history=history,
@@ -283,6 +300,16 @@ def _check_fits(model: Any, cfg: Config, cluster: ClusterConfig, nodes: list[dic
             f"usable memory is {[round(r['memory_total'] / gib, 1) for r in nodes]} GiB; use a higher ZeRO stage, "
             "more workers, or bigger nodes"
         )
+
+
+def _checkpoint_location(storage: str, run_dir: str, checkpoint) -> str | None:
+    """The latest checkpoint as the user addresses storage: a local path, or a URI like the storage's."""
+    if checkpoint is None:
+        return None
+    if "://" not in storage:
+        return checkpoint.path
+    base, _, query = run_dir.partition("?")
+    return f"{base}/{os.path.basename(checkpoint.path.rstrip('/'))}" + (f"?{query}" if query else "")
 
 
 def _is_ray_dataset(data: Any) -> bool:

@@ -172,15 +172,20 @@ def _stream_batches(spec: WorkerSpec, rank: int, world: int, plan, start_step: i
         source = iter(spec.data(rank, world, plan.micro_batch))
     else:
         raise ValueError(f"unsupported data {type(spec.data).__name__}: use a map-style Dataset or a factory")
-    skip = start_step * plan.accumulation
+    def fresh():
+        if callable(spec.data):
+            return iter(spec.data(rank, world, plan.micro_batch))
+        return iter(ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.micro_batch, drop_last=True))
+
     it = iter(source)
-    for _ in range(skip):
-        next(it)
+    skip = start_step * plan.accumulation  # micro-batches this rank consumed before the restart
     while True:
         try:
-            yield next(it)
-        except StopIteration:
-            it = iter(spec.data(rank, world, plan.micro_batch)) if callable(spec.data) else iter(
-                ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=plan.micro_batch, drop_last=True)
-            )
-            yield next(it)
+            batch = next(it)
+        except StopIteration:  # one pass is over: start the next
+            it = fresh()
+            batch = next(it)
+        if skip:
+            skip -= 1
+            continue
+        yield batch
