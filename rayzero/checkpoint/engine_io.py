@@ -390,15 +390,22 @@ class FragmentIndex:
 
     def fill(self, param: str, state: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Copy elements ``[lo, hi)`` of ``param``'s ``state`` into ``out`` from every overlapping fragment."""
-        covered = 0
+        pieces = []
         for file, i, start, end in self.where.get((param, state), []):
             a, b = max(start, lo), min(end, hi)
             if a >= b:
                 continue
             data = self.files[file].read(i)
             out[a - lo : b - lo].copy_(data[a - start : b - start])
-            covered += b - a
-        if covered != hi - lo:
+            pieces.append((a, b))
+        # the pieces must tile [lo, hi) exactly: overlaps could otherwise hide a gap
+        pieces.sort()
+        covered, at = 0, lo
+        for a, b in pieces:
+            if a != at:
+                break
+            covered, at = covered + b - a, b
+        if at != hi:
             raise CheckpointError(
                 f"checkpoint {self.tag!r} covers {covered} of the {hi - lo} elements [{lo}, {hi}) of "
                 f"{param!r}/{state}; it is incomplete"
