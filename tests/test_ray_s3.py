@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 import rayzero
 from ray_cases import CONFIG, Regression, model_factory, mse

@@ -30,7 +30,6 @@ from rayzero.checkpoint.format import (
     FragmentFile,
     dtype_name,
     parse_manifest,
-    rank_file_name,
 )
 from rayzero.checkpoint.storage import Storage
 from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_dir, write_rank

@@ -16,7 +16,7 @@ import torch
 from rayzero.checkpoint.storage import Storage
 from rayzero.config import Config, ConfigError
 from rayzero.train.cluster_config import ClusterConfig
-from rayzero.train.metrics import METRICS_FILE, read_metrics
+from rayzero.train.metrics import read_metrics
 from rayzero.train.planning import plan_range
 from rayzero.train.worker import WorkerSpec, train_loop_per_worker
 
@@ -154,7 +154,6 @@ def fit(
     ``batch[0]`` (or ``**batch`` for a dict); or ``train_step(engine, batch)`` runs forward, backward and
     step itself and returns the loss.
     """
-    import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
