@@ -23,7 +23,6 @@ import mmap
 import os
 import pickle
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,8 @@ import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
+
+from spawn_ranks import free_port, spawn
 
 MB = 1_000_000  # throughput in decimal megabytes per second
 
@@ -444,48 +444,9 @@ def _rank_main(rank: int, world: int, port: int, kind: str, a: argparse.Namespac
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(kind: str, a, root: str) -> tuple[list | None, str | None]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, a.world, port, kind, a, root, queue), daemon=True)
-             for r in range(a.world)]
-    for p in procs:
-        p.start()
-    results, error = {}, None
-    deadline = time.monotonic() + a.timeout
-    try:
-        while len(results) < a.world and error is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                error = f"timed out after {a.timeout:.0f} s"
-                break
-            try:
-                rank, status, payload = queue.get(timeout=min(remaining, 5.0))
-            except Exception:  # queue.Empty: check that nobody died silently (killed for memory, ...)
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    error = f"a rank exited with code {dead[0].exitcode} without reporting"
-                continue
-            if status == "ok":
-                results[rank] = pickle.loads(payload)
-            else:
-                error = f"rank {rank} failed:\n{payload}"
-    finally:
-        for p in procs:
-            p.join(timeout=10 if error is None else 1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if error is not None:
-        return None, error
-    return [results[r] for r in range(a.world)], None
+    port = free_port()
+    return spawn(_rank_main, lambda r: (r, a.world, port, kind, a, root), a.world, a.timeout)
 
 
 # ---------------------------------------------------------------------------------------------------------

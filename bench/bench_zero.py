@@ -17,14 +17,14 @@ import argparse
 import json
 import os
 import pickle
-import socket
 import statistics
 import sys
 import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
+
+from spawn_ranks import free_port, spawn
 
 MIB = 1024 * 1024
 
@@ -315,46 +315,6 @@ def _baseline_main(queue) -> None:
     queue.put((0, "ok", pickle.dumps(out)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(target, args_of_rank, world: int, timeout: float) -> tuple[list | None, str | None]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*args_of_rank(r), queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, error = {}, None
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world and error is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                error = f"timed out after {timeout:.0f} s"
-                break
-            try:
-                rank, status, payload = queue.get(timeout=min(remaining, 5.0))
-            except Exception:  # queue.Empty: check that nobody died silently (killed for memory, ...)
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    error = f"a rank exited with code {dead[0].exitcode} without reporting"
-                continue
-            if status == "ok":
-                results[rank] = pickle.loads(payload)
-            else:
-                error = f"rank {rank} failed:\n{payload}"
-    finally:
-        for p in procs:
-            p.join(timeout=10 if error is None else 1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if error is not None:
-        return None, error
-    return [results[r] for r in range(world)], None
 
 
 def run_system(spec: dict, a: argparse.Namespace) -> dict:
@@ -365,9 +325,9 @@ def run_system(spec: dict, a: argparse.Namespace) -> dict:
         if not ok:
             res.update(status="skipped", error=why)
             return res
-    port = _free_port()
+    port = free_port()
     t0 = time.perf_counter()
-    ranks, error = _spawn(_rank_main, lambda r: (r, world, port, spec, a), world, a.timeout)
+    ranks, error = spawn(_rank_main, lambda r: (r, world, port, spec, a), world, a.timeout)
     res["wall_s"] = time.perf_counter() - t0
     if error is not None:
         res.update(status="error", error=error)
@@ -563,7 +523,7 @@ def main(argv=None) -> int:
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
     )
     meta["provenance"] = source_provenance()
-    base, err = _spawn(_baseline_main, lambda r: (), 1, 60.0)
+    base, err = spawn(_baseline_main, lambda r: (), 1, 60.0)
     meta["baseline_rss_mib"] = base[0]["hwm_mib"] if base else float("nan")
     meta["baseline_after_tiny_step_mib"] = base[0]["after_tiny_step_hwm_mib"] if base else float("nan")
     if err:
