@@ -350,6 +350,38 @@ class BF16Config(_Section):
     enabled: bool = False
 
 
+@dataclass
+class ExpertParallelConfig(_Section):
+    """`expert_parallel` (DeepSpeed's AutoEP keys): spread each MoE layer's experts over `autoep_size` ranks."""
+
+    _path: ClassVar[str] = "expert_parallel"
+
+    enabled: bool = False
+    autoep_size: int = 1
+    preset_model: str | None = None
+
+    def _validate(self) -> None:
+        self._check("autoep_size", self.autoep_size >= 1, "must be an integer >= 1")
+
+    @property
+    def size(self) -> int:
+        return self.autoep_size if self.enabled else 1
+
+
+@dataclass
+class TensorParallelConfig(_Section):
+    """`tensor_parallel` (DeepSpeed's AutoTP key): shard linears over `autotp_size` ranks by the model's
+    tp_plan (or `tp_plan`, module-name patterns -> colwise / rowwise / packed_colwise)."""
+
+    _path: ClassVar[str] = "tensor_parallel"
+
+    autotp_size: int = 1
+    tp_plan: dict | None = None
+
+    def _validate(self) -> None:
+        self._check("autotp_size", self.autotp_size >= 1, "must be an integer >= 1")
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How one optimizer step's samples split: train_batch_size = micro * accumulation * world."""
@@ -363,7 +395,7 @@ class BatchPlan:
 _TOP_NOT_SUPPORTED = {
     key: ""
     for key in (
-        "moe", "tensor_parallel", "activation_checkpointing", "flops_profiler", "compression_training",
+        "moe", "activation_checkpointing", "flops_profiler", "compression_training",
         "data_efficiency", "aio", "amp", "pipeline", "sparse_attention", "checkpoint", "elasticity",
         "comms_logger", "autotuning", "curriculum_learning", "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer", "fp8", "graph_harvesting", "compile", "data_types", "dump_state",
@@ -407,6 +439,8 @@ class Config(_Section):
     nonfinite_grad: str = "error"
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
+    expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
 
     def _validate(self) -> None:
         for name in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):

@@ -29,6 +29,8 @@ from rayzero.optim.clip import clip_coefficient, global_grad_norm
 from rayzero.optim.factory import build_optimizer
 from rayzero.optim.schedulers import build_scheduler
 from rayzero.optim.loss_scaler import LossScaler
+from rayzero.parallel.slicing import canonical_to_full
+from rayzero.parallel.state import ParallelState
 from rayzero.topology import ParallelDims
 from rayzero.zero.partition import Partitions
 from rayzero.zero.stage12 import GradientReducer, WeightPublisher
@@ -59,31 +61,36 @@ class Engine:
         cfg = self.config
         self.rank, self.world_size, self._created_process_group = init_distributed()
         self.accelerator = get_accelerator()
+        self.topology = self._plan_topology(cfg, self.world_size)
         if cfg.deterministic:
-            apply_deterministic_policy(cfg.seed, self.rank, self.accelerator)
-        self.topology = ParallelDims(self.world_size)
-        self.batch = cfg.resolve_batch(self.world_size)
+            # ranks of one TP group run the same replicated computation, so they share their random streams
+            apply_deterministic_policy(cfg.seed, self.topology.coords(self.rank).dp, self.accelerator)
+        self.batch = cfg.resolve_batch(self.topology.dp)
         self.stage = cfg.zero_optimization.stage
         self.compute_dtype = cfg.compute_dtype
         self.module = model
         transport = "ordered" if cfg.deterministic else "auto"
-        self.comm = Communicator.for_group(None, transport=transport)
+        self.parallel = ParallelState(self.topology, self.rank, transport)
+        self.comm = self.parallel.world
 
-        groups = self._param_groups(model, model_parameters)
-        names = {}
-        for n, p in model.named_parameters():
-            names.setdefault(p, n)
-        pre_sharded = any(hasattr(p, "_rayzero_shard") for g in groups for p in g["params"])
+        pre_sharded = any(hasattr(p, "_rayzero_shard") for p in model.parameters())
         if pre_sharded and self.stage != 3:
             raise ConfigError(
                 f"the model was built under rayzero.zero_init, which only ZeRO stage 3 can train; "
                 f"zero_optimization.stage is {self.stage}: set it to 3 or build the model without zero_init"
             )
         self._broadcast_from_rank0(model)
+        model_parameters = self._apply_model_parallelism(model, model_parameters, pre_sharded)
+        groups = self._param_groups(model, model_parameters)
+        names = {}
+        for n, p in model.named_parameters():
+            names.setdefault(p, n)
 
         params = [p for g in groups for p in g["params"]]
         device = params[0].device if params else self.accelerator.device()
-        self.partitions = Partitions(groups, names, self.comm, partitioned=self.stage >= 1, device=device)
+        self.partitions = Partitions(
+            groups, names, self.parallel.domain_of, partitioned=self.stage >= 1, device=device
+        )
         self.partitions.load_masters_from_params()
         with torch.no_grad():
             for p in model.parameters():
@@ -105,22 +112,20 @@ class Engine:
             self.gatherer = ParamGatherer(
                 model,
                 self.partitions,
-                self.comm,
                 self.compute_dtype,
                 z.stage3_param_persistence_threshold,
                 prefetch=z.overlap_comm and z.stage3_prefetch_bucket_size > 0,
             )
         self.reducer = GradientReducer(
             self.partitions,
-            self.comm,
             self.stage,
             z.reduce_bucket_size,
             cfg.comm_dtype,
+            self.topology.dp,
             on_param_reduced=self.gatherer.on_param_reduced if self.gatherer else None,
         )
         self.publisher = WeightPublisher(
             self.partitions,
-            self.comm,
             z.allgather_bucket_size,
             self.compute_dtype,
             params=self.gatherer.persistent if self.gatherer is not None else None,
@@ -155,6 +160,64 @@ class Engine:
         _live_engines.add(self)
 
     # ---- set-up helpers --------------------------------------------------------------------------------
+    @staticmethod
+    def _plan_topology(cfg: Config, world_size: int) -> ParallelDims:
+        tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
+        if tp > 1 and cfg.tensor_parallel.tp_plan is not None and not isinstance(cfg.tensor_parallel.tp_plan, dict):
+            raise ConfigError("tensor_parallel.tp_plan must map module-name patterns to styles")
+        try:
+            return ParallelDims(world_size, tp=tp, ep=ep)
+        except ValueError as e:
+            raise ConfigError(
+                f"tensor_parallel.autotp_size={tp} and expert_parallel.autoep_size={ep} do not fit a world of "
+                f"{world_size} ranks: {e}"
+            ) from None
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data shard this rank feeds (the ranks of one TP group feed the same batch)."""
+        return self.parallel.dp_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        """How many distinct data shards one step consumes: world size / TP size."""
+        return self.parallel.dp_size
+
+    def _apply_model_parallelism(self, model: torch.nn.Module, model_parameters, pre_sharded: bool):
+        """AutoEP, then AutoTP, on the (already consistent) model; returns the user's param groups with
+        every sliced parameter replaced by its slice."""
+        cfg, coords = self.config, self.parallel.coords
+        ep_on, tp = cfg.expert_parallel.enabled, self.topology.tp
+        if not ep_on and tp == 1:
+            return model_parameters
+        if pre_sharded:
+            raise ConfigError(
+                "a model built under rayzero.zero_init cannot be sliced by AutoEP/AutoTP; build it without "
+                "zero_init when expert_parallel or tensor_parallel is on (each rank then keeps only its slices)"
+            )
+        before = dict(model.named_parameters())
+        if ep_on:
+            from rayzero.moe.auto_ep import apply_auto_ep
+
+            apply_auto_ep(
+                model, self.parallel.ep_group, self.topology.ep, coords.ep,
+                tp_group=self.parallel.tp_group, tp_size=tp, tp_rank=coords.tp,
+                preset_model=cfg.expert_parallel.preset_model,
+            )
+        if tp > 1:
+            from rayzero.tp.auto_tp import apply_auto_tp
+
+            apply_auto_tp(model, self.parallel.tp_group, tp, coords.tp, plan=cfg.tensor_parallel.tp_plan)
+        after = dict(model.named_parameters())
+        replaced = {id(before[n]): after[n] for n in before if n in after and after[n] is not before[n]}
+        if model_parameters is None or not replaced:
+            return model_parameters
+        swap = lambda p: replaced.get(id(p), p)
+        items = list(model_parameters)
+        if items and isinstance(items[0], dict):
+            return [dict(g, params=[swap(p) for p in g["params"]]) for g in items]
+        return [swap(p) for p in items]
+
     def _optimizer_config(self) -> OptimizerConfig:
         """The configured optimizer, with torch's fused Adam/AdamW kernel unless the config chose an
         implementation: on one flat partition per group the default kernel allocates two partition-sized
@@ -260,8 +323,7 @@ class Engine:
             self.reducer.reduce_now = True
             self.reducer.flush()
         unscale = self.reducer.grad_scale() / self.loss_scaler.scale
-        partitioned = self.stage >= 1
-        raw = global_grad_norm(self.partitions.local_grad_sq_sum(), self.comm if partitioned else None)
+        raw = global_grad_norm(self.partitions.local_grad_sq_sum(), self.comm)
         norm = raw * unscale
         self.global_grad_norm = norm
         if not math.isfinite(norm):
@@ -338,7 +400,8 @@ class Engine:
         self._check_alive()
         full: dict[int, torch.Tensor] = {}
         for p in self.partitions.all_params():
-            full[id(p)] = self.partitions.gather_full(self.partitions.entry_of[p])
+            e = self.partitions.entry_of[p]
+            full[id(p)] = self._unslice(self.partitions.gather_full(e), e)
         out = {}
         for name, p in self.module.named_parameters(remove_duplicate=False):
             out[name] = full[id(p)] if id(p) in full else p.detach().clone()
@@ -347,6 +410,22 @@ class Engine:
         # keep the model's own key order
         order = list(self.module.state_dict(keep_vars=True).keys())
         return {k: out[k] for k in order if k in out}
+
+    def _unslice(self, local: torch.Tensor, entry) -> torch.Tensor:
+        """The model's full tensor from every rank's EP/TP slice of it (all ranks take part)."""
+        if not entry.splits:
+            return local
+        rows = torch.empty((self.world_size, local.numel()), dtype=local.dtype, device=local.device)
+        self.comm.all_gather(rows, local.reshape(-1).contiguous()).wait()
+        by_slice: dict[int, torch.Tensor] = {}
+        for r in range(self.world_size):
+            c = self.topology.coords(r)
+            index = 0
+            for s in entry.splits:
+                index = index * s.parts + (c.ep if s.axis == "ep" else c.tp)
+            by_slice.setdefault(index, rows[r])
+        canonical = torch.cat([by_slice[i] for i in range(len(by_slice))])
+        return canonical_to_full(canonical, entry.shape, entry.splits)
 
     # ---- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(
@@ -414,6 +493,7 @@ class Engine:
         self.partitions.entry_of.clear()
         self.reducer = self.publisher = self.gatherer = None
         self._destroyed = True
+        self.parallel.destroy()
         if self._created_process_group and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -77,9 +77,9 @@ def optimizer_view(engine) -> dict:
             for name, flat in st.items():
                 if torch.is_tensor(flat) and flat.shape == g.master.shape:
                     shard = flat[e.partition_offset : e.partition_offset + e.chunk]
-                    rows = torch.empty((engine.partitions.world, e.chunk))
-                    if engine.partitions.world > 1:
-                        engine.comm.all_gather(rows, shard.contiguous()).wait()
+                    rows = torch.empty((g.world, e.chunk))
+                    if g.world > 1:
+                        g.comm.all_gather(rows, shard.contiguous()).wait()
                     else:
                         rows[0].copy_(shard)
                     out["states"][(e.name, name)] = rows.reshape(-1)[: e.numel].clone()

@@ -32,6 +32,14 @@ from rayzero.checkpoint.format import (
     parse_manifest,
 )
 from rayzero.checkpoint.storage import Storage
+from rayzero.parallel.slicing import (
+    canonical_to_full,
+    from_layout_dicts,
+    layout_dicts,
+    local_shape_of,
+    local_slice,
+    order_key,
+)
 from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_dir, write_rank
 
 if TYPE_CHECKING:
@@ -40,15 +48,19 @@ if TYPE_CHECKING:
 
 # ---- what a rank holds ---------------------------------------------------------------------------------
 def _local_range(engine: "Engine", entry) -> tuple[int, int]:
-    return entry.owner_range(engine.partitions.rank)
+    return entry.owner_range(engine.partitions.group_of(entry).rank)
 
 
 def _save_range(engine: "Engine", entry) -> tuple[int, int]:
-    """The slice this rank writes: its owned range, split evenly across ranks where all ranks own all."""
+    """The slice this rank writes: its owned range, split evenly across the ranks of its group where they
+    all own all (stage 0).  Only a group's primary ranks write (tensor-parallel replicas are saved once)."""
     lo, hi = _local_range(engine, entry)
+    g = engine.partitions.group_of(entry)
+    if not g.domain.primary:
+        return 0, 0
     if engine.partitions.partitioned:
         return lo, hi
-    world, rank = engine.comm.world, engine.comm.rank
+    world, rank = g.comm.world, g.comm.rank
     chunk = -(-entry.numel // world)
     return min(rank * chunk, entry.numel), min((rank + 1) * chunk, entry.numel)
 
@@ -99,9 +111,11 @@ def snapshot(engine: "Engine", staging: dict | None) -> list[Fragment]:
             if s1 <= s0:
                 continue
             a, b = e.partition_offset + s0 - lo, e.partition_offset + s1 - lo
-            frags.append(Fragment(e.name, STATE_MASTER, s0, s1, take(g.master[a:b], (e.name, STATE_MASTER))))
+            # fragments address the model's full tensor: an EP/TP slice sits at its canonical offset
+            c0, c1 = e.canonical_offset + s0, e.canonical_offset + s1
+            frags.append(Fragment(e.name, STATE_MASTER, c0, c1, take(g.master[a:b], (e.name, STATE_MASTER))))
             for name, flat in states[gi].items():
-                frags.append(Fragment(e.name, name, s0, s1, take(flat[a:b], (e.name, name))))
+                frags.append(Fragment(e.name, name, c0, c1, take(flat[a:b], (e.name, name))))
     if engine.rank == 0:
         for name, t in _whole_tensors(engine).items():
             frags.append(Fragment(name, STATE_WHOLE, 0, t.numel(), take(t.reshape(-1), (name, STATE_WHOLE))))
@@ -187,16 +201,18 @@ def build_manifest(engine: "Engine", tag: str, client_state: Any) -> dict:
     params = []
     for gi, g in enumerate(engine.partitions.groups):
         for p, e in zip(g.params, g.layout.entries):
-            params.append(
-                {
-                    "name": e.name,
-                    "aliases": [n for n in names_of.get(id(p), []) if n != e.name],
-                    "shape": list(e.shape),
-                    "dtype": dtype_name(p.dtype),
-                    "numel": e.numel,
-                    "group": gi,
-                }
-            )
+            info = {
+                "name": e.name,
+                "aliases": [n for n in names_of.get(id(p), []) if n != e.name],
+                "shape": list(e.full_shape),
+                "dtype": dtype_name(p.dtype),
+                "numel": _prod(e.full_shape),
+                "group": gi,
+                "kind": g.domain.kind,
+            }
+            if e.splits:
+                info["splits"] = layout_dicts(e.splits)  # the canonical element order of the fragments
+            params.append(info)
     in_state_dict = set(engine.module.state_dict(keep_vars=True))
     whole_names_of: dict[int, list[str]] = {}
     for name, t in list(engine.module.named_parameters(remove_duplicate=False)) + list(
@@ -421,9 +437,9 @@ def _check_model(engine: "Engine", manifest: dict, strict: bool) -> tuple[set[st
     unexpected = sorted(p["name"] for p in manifest["params"] if p["name"] not in mine and
                         not any(a in mine for a in p.get("aliases", [])))
     misshaped = sorted(
-        f"{n}: checkpoint {saved[n]['shape']} vs model {list(mine[n].shape)}"
+        f"{n}: checkpoint {saved[n]['shape']} vs model {list(mine[n].full_shape)}"
         for n in mine
-        if n in saved and list(mine[n].shape) != saved[n]["shape"]
+        if n in saved and list(mine[n].full_shape) != saved[n]["shape"]
     )
     problems = []
     if missing:
@@ -437,8 +453,37 @@ def _check_model(engine: "Engine", manifest: dict, strict: bool) -> tuple[set[st
             "the checkpoint does not match the model; " + "; ".join(problems)
             + ". Load with strict=False to load the parameters that match"
         )
-    loadable = {n for n in mine if n in saved and list(mine[n].shape) == saved[n]["shape"]}
+    loadable = {n for n in mine if n in saved and list(mine[n].full_shape) == saved[n]["shape"]}
     return loadable, problems
+
+
+def _slice_filler(index: FragmentIndex, saved: dict, entry):
+    """How to read elements ``[lo, hi)`` of this rank's slice of a parameter from the checkpoint.
+
+    Where the saved slicing orders the full tensor like this rank's (always without TP, and for any EP
+    degree on stacked experts) that is a plain range read at the slice's canonical offset.  Otherwise (a
+    TP degree change on a column-cut weight) the full tensor is rebuilt from the saved slices once per
+    state and this rank's slice cut out of it.
+    """
+    saved_splits = from_layout_dicts(saved.get("splits", []))
+    offset = entry.canonical_offset
+    if order_key(saved_splits) == order_key(entry.splits):
+        return lambda name, state, lo, hi, out: index.fill(name, state, offset + lo, offset + hi, out)
+
+    def fill(name: str, state: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        flat = torch.empty(saved["numel"], dtype=out.dtype)
+        index.fill(name, state, 0, saved["numel"], flat)
+        full = canonical_to_full(flat, local_shape_of(saved["shape"], saved_splits), saved_splits)
+        out.copy_(local_slice(full, entry.splits).reshape(-1)[lo:hi])
+
+    return fill
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 @torch.no_grad()
@@ -476,9 +521,10 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
             for name, flat in flats.items():  # padding past the owned range stays zero
                 flat[e.partition_offset + hi - lo : e.partition_offset + e.chunk].zero_()
             if hi > lo:
-                index.fill(saved_name, STATE_MASTER, lo, hi, g.master[e.partition_offset : e.partition_offset + hi - lo])
+                fill = _slice_filler(index, saved_params[e.name], e)
+                fill(saved_name, STATE_MASTER, lo, hi, g.master[e.partition_offset : e.partition_offset + hi - lo])
                 for name, flat in flats.items():
-                    index.fill(saved_name, name, lo, hi, flat[e.partition_offset : e.partition_offset + hi - lo])
+                    fill(saved_name, name, lo, hi, flat[e.partition_offset : e.partition_offset + hi - lo])
             if step_info is None and saved_name in saved_group_of:
                 step_info = saved_group_of[saved_name].get("state", {})
         if same_optimizer and (flats or step_info):

@@ -26,6 +26,7 @@ from rayzero.checkpoint.format import (
     dtype_from_name,
 )
 from rayzero.checkpoint.storage import Storage, xxh3_of
+from rayzero.parallel.slicing import canonical_to_full, from_layout_dicts, local_shape_of
 
 __all__ = ["inspect", "format_inspect", "verify", "export"]
 
@@ -279,8 +280,10 @@ def _export_format(out_path: str, fmt: str | None) -> str:
     return fmt
 
 
-def _assemble(index: FragmentIndex, name: str, state: str, numel: int, shape: list[int]) -> torch.Tensor:
-    """One tensor from its fragments, in the dtype they were saved in."""
+def _assemble(
+    index: FragmentIndex, name: str, state: str, numel: int, shape: list[int], splits: list[dict] | None = None
+) -> torch.Tensor:
+    """One tensor from its fragments, in the dtype they were saved in (EP/TP slices put back in place)."""
     places = index.where.get((name, state), [])
     if places:
         file, i = places[0][0], places[0][1]
@@ -289,6 +292,9 @@ def _assemble(index: FragmentIndex, name: str, state: str, numel: int, shape: li
         saved_dtype = torch.float32
     flat = torch.empty(numel, dtype=saved_dtype)
     index.fill(name, state, 0, numel, flat)
+    if splits:
+        cuts = from_layout_dicts(splits)
+        return canonical_to_full(flat, local_shape_of(shape, cuts), cuts)
     return flat.view(shape)
 
 
@@ -312,7 +318,8 @@ def export(
     tensors: dict[str, torch.Tensor] = {}
     nbytes = 0
     for p in m["params"]:
-        t = _assemble(index, p["name"], STATE_MASTER, p["numel"], p["shape"]).to(dtype_from_name(p["dtype"]))
+        t = _assemble(index, p["name"], STATE_MASTER, p["numel"], p["shape"], p.get("splits"))
+        t = t.to(dtype_from_name(p["dtype"]))
         nbytes += t.numel() * t.element_size()
         tensors[p["name"]] = t
         for alias in p.get("aliases", []):

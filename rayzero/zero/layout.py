@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rayzero.parallel.slicing import SplitSpec, full_shape_of, slice_index, splits_of
+
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -45,10 +47,22 @@ class ParamEntry:
         return start, end
 
     world: int
+    # EP/TP slicing of the model's full tensor this parameter holds (parallel/slicing.py); () when whole
+    splits: tuple[SplitSpec, ...] = ()
 
     @property
     def padded_numel(self) -> int:
         return self.chunk * self.world
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """Shape of the model's tensor this parameter is a slice of (its own shape when not sliced)."""
+        return full_shape_of(self.shape, self.splits)
+
+    @property
+    def canonical_offset(self) -> int:
+        """Where this rank's slice starts in the full tensor's canonical element order."""
+        return slice_index(self.splits) * self.numel if self.splits else 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,7 @@ class GroupLayout:
                     chunk=chunk,
                     partition_offset=offset,
                     world=world,
+                    splits=splits_of(p),
                 )
             )
             offset += chunk

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from rayzero.comm import Communicator
+from rayzero.parallel.state import ReduceDomain
 from rayzero.zero.layout import GroupLayout, ParamEntry, copy_from_rows, shard_of
 
 
@@ -16,38 +18,69 @@ class GroupPartition:
     params: list[torch.nn.Parameter]
     master: torch.Tensor  # fp32 [partition_numel]: the optimizer steps this tensor
     grad: torch.Tensor  # fp32 [partition_numel]: gradients accumulate here until the boundary
+    domain: ReduceDomain  # where these parameters' gradients are reduced (DP, EDP, ...), see parallel/state.py
+    user_group: int = 0  # the user's param group this partition group belongs to
     overrides: dict = field(default_factory=dict)  # the user's per-group hyper-parameters
+
+    @property
+    def comm(self) -> Communicator:
+        return self.domain.comm
+
+    @property
+    def world(self) -> int:
+        """Ranks the partition is split over (1: this rank holds the whole group, as in stage 0)."""
+        return self.layout.world
+
+    @property
+    def rank(self) -> int:
+        return self.domain.comm.rank if self.layout.world > 1 else 0
+
+
+def single_domain(comm: Communicator) -> Callable[[torch.Tensor], ReduceDomain]:
+    """Every parameter reduced over ``comm`` (plain data parallelism)."""
+    domain = ReduceDomain("dense", comm, True)
+    return lambda p: domain
 
 
 class Partitions:
-    """Owns the fp32 master and gradient partitions of every param group, and maps params to entries."""
+    """Owns the fp32 master and gradient partitions of every param group, and maps params to entries.
+
+    A user's param group is split further by reduction domain (dense parameters over data parallelism,
+    experts over expert-data parallelism, ...), in the order the domains first appear in the group: each
+    (user group, domain) pair is one partition group with its own layout, master and optimizer group.
+    """
 
     def __init__(
         self,
         param_groups: list[dict],
         names: dict[torch.nn.Parameter, str],
-        comm: Communicator,
+        domain_of: Callable[[torch.Tensor], ReduceDomain] | Communicator,
         partitioned: bool,
         device: torch.device | None = None,
     ):
-        self.comm = comm
+        if isinstance(domain_of, Communicator):
+            domain_of = single_domain(domain_of)
         # Partitions live where the model computes (the accelerator), masters included.
         self.device = device if device is not None else torch.device("cpu")
-        # Stage 0 lays every group out over a world of one: the rank owns the whole group.
-        self.world = comm.world if partitioned else 1
-        self.rank = comm.rank if partitioned else 0
         self.partitioned = partitioned
         self.groups: list[GroupPartition] = []
         self.entry_of: dict[torch.nn.Parameter, ParamEntry] = {}
-        for gi, group in enumerate(param_groups):
-            params = list(group["params"])
-            layout = GroupLayout.build(gi, [(names[p], p) for p in params], self.world)
-            master = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.device)
-            grad = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.device)
+        for ui, group in enumerate(param_groups):
+            by_domain: dict[str, tuple[ReduceDomain, list]] = {}
+            for p in group["params"]:
+                d = domain_of(p)
+                by_domain.setdefault(d.kind, (d, []))[1].append(p)
             overrides = {k: v for k, v in group.items() if k != "params"}
-            self.groups.append(GroupPartition(layout, params, master, grad, overrides))
-            for p, e in zip(params, layout.entries):
-                self.entry_of[p] = e
+            for domain, params in by_domain.values():
+                gi = len(self.groups)
+                # Stage 0 lays every group out over a world of one: the rank owns the whole group.
+                world = domain.comm.world if partitioned else 1
+                layout = GroupLayout.build(gi, [(names[p], p) for p in params], world)
+                master = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.device)
+                grad = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.device)
+                self.groups.append(GroupPartition(layout, params, master, grad, domain, ui, dict(overrides)))
+                for p, e in zip(params, layout.entries):
+                    self.entry_of[p] = e
 
     def all_params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.groups for p in g.params]
@@ -77,17 +110,23 @@ class Partitions:
                         )
                     out.copy_(pre_sharded)
                 else:
-                    shard_of(p.detach().reshape(-1).float(), e, self.rank, out)
+                    shard_of(p.detach().reshape(-1).float(), e, g.rank, out)
 
     def zero_grads(self) -> None:
         for g in self.groups:
             g.grad.zero_()
 
     def local_grad_sq_sum(self) -> torch.Tensor:
-        """Sum of squares of this rank's gradient partitions, in fp32."""
+        """Sum of squares of the gradient elements this rank counts, in fp32.
+
+        Summed over all ranks it covers every distinct element exactly once: partitions are disjoint
+        inside their domain's group, TP replicas count only on their primary rank, and where every rank of
+        a group holds the whole gradient (stage 0) only the group's rank 0 counts it.
+        """
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in self.groups:
-            if g.grad.numel():
+            counted = g.domain.primary and (g.world > 1 or g.domain.comm.rank == 0)
+            if counted and g.grad.numel():
                 total += torch.dot(g.grad, g.grad)
         return total
 
@@ -95,10 +134,11 @@ class Partitions:
     def gather_full(self, entry: ParamEntry, source: str = "master") -> torch.Tensor:
         """The whole fp32 value of one parameter (``source``: 'master' or 'grad'), on every rank."""
         shard = self.master_shard(entry) if source == "master" else self.grad_shard(entry)
-        if self.world == 1:
+        g = self.group_of(entry)
+        if g.world == 1:
             return shard[: entry.numel].clone().view(entry.shape)
-        rows = torch.empty((self.world, entry.chunk), dtype=torch.float32, device=self.device)
-        self.comm.all_gather(rows, shard.contiguous()).wait()
+        rows = torch.empty((g.world, entry.chunk), dtype=torch.float32, device=self.device)
+        g.comm.all_gather(rows, shard.contiguous()).wait()
         flat = torch.empty(entry.numel, dtype=torch.float32, device=self.device)
         copy_from_rows(flat, rows, 0, entry.chunk)
         return flat.view(entry.shape)

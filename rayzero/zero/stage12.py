@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from rayzero.comm import Communicator, Handle
+from rayzero.comm import Handle
 from rayzero.zero.layout import ParamEntry, copy_from_rows, copy_into_rows
 from rayzero.zero.partition import GroupPartition, Partitions
 
@@ -55,16 +55,15 @@ def make_buckets(partitions: Partitions, max_elements: int) -> list[Bucket]:
     order: groups last to first, parameters last to first.
     """
     buckets: list[Bucket] = []
-    world = partitions.world
     for g in partitions.groups:
         current: list[tuple[ParamEntry, torch.nn.Parameter]] = []
         size = 0
         for e, p in zip(g.layout.entries, g.params):
-            if current and size + e.chunk * world > max_elements:
+            if current and size + e.padded_numel > max_elements:
                 buckets.append(_bucket(g, current))
                 current, size = [], 0
             current.append((e, p))
-            size += e.chunk * world
+            size += e.padded_numel
         if current:
             buckets.append(_bucket(g, current))
     buckets.reverse()
@@ -86,24 +85,27 @@ def _bucket(g: GroupPartition, members: list[tuple[ParamEntry, torch.nn.Paramete
 
 
 class GradientReducer:
-    """Moves gradients from backward into the fp32 gradient partitions, in buckets."""
+    """Moves gradients from backward into the fp32 gradient partitions, in buckets.
+
+    Each bucket is reduced over its group's domain (parallel/state.py: the DP group for dense parameters,
+    the EDP group for experts); every reduced sum is divided by the data-parallel size ``dp``.
+    """
 
     MAX_INFLIGHT = 2
 
     def __init__(
         self,
         partitions: Partitions,
-        comm: Communicator,
         stage: int,
         bucket_elements: int,
         comm_dtype: torch.dtype,
+        data_parallel_size: int,
         on_param_reduced: Callable[[torch.nn.Parameter], None] | None = None,
     ):
         self.partitions = partitions
-        self.comm = comm
         self.stage = stage
         self.comm_dtype = comm_dtype
-        self.world = comm.world
+        self.dp = data_parallel_size
         self.on_param_reduced = on_param_reduced
         # 16-bit reductions divide before summing so the sum cannot overflow; fp32 divides once at the end.
         self.predivide = comm_dtype != torch.float32
@@ -118,7 +120,7 @@ class GradientReducer:
                 if stage == 0:
                     b.rows = b.group.grad[b.part_slice].view(1, b.cols)
                 else:
-                    b.rows = torch.zeros((self.world, b.cols), dtype=torch.float32, device=partitions.device)
+                    b.rows = torch.zeros((b.group.world, b.cols), dtype=torch.float32, device=partitions.device)
         self._inflight: list[Bucket] = []
         self.reduce_now = True  # set per backward: reduce in this backward (boundary) or only accumulate
         self.pending = False  # some gradients are in buckets but not yet in the partition
@@ -143,7 +145,7 @@ class GradientReducer:
             b.rows = self._new_rows(b)
         flat = grad.reshape(-1)
         if self.predivide and not self.accumulate_locally:
-            flat = flat / self.world
+            flat = flat / self.dp
         col = b.col_of[e.index_in_group]
         if self.stage == 0:
             b.rows[0, col : col + e.numel].add_(flat)
@@ -161,7 +163,7 @@ class GradientReducer:
         return torch.float32 if self.accumulate_locally else self.comm_dtype
 
     def _new_rows(self, b: Bucket) -> torch.Tensor:
-        return torch.zeros((self.world, b.cols), dtype=self._bucket_dtype(), device=self.partitions.device)
+        return torch.zeros((b.group.world, b.cols), dtype=self._bucket_dtype(), device=self.partitions.device)
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -176,13 +178,13 @@ class GradientReducer:
             b.rows = self._new_rows(b)
         send = b.rows
         if send.dtype != self.comm_dtype:
-            send = (send / self.world if self.predivide else send).to(self.comm_dtype)
+            send = (send / self.dp if self.predivide else send).to(self.comm_dtype)
         b.send = send
         if self.stage == 0:
-            b.handle = self.comm.all_reduce(send)
+            b.handle = b.group.comm.all_reduce(send)
         else:
             b.out = torch.empty(b.cols, dtype=self.comm_dtype, device=self.partitions.device)
-            b.handle = self.comm.reduce_scatter(b.out, send)
+            b.handle = b.group.comm.reduce_scatter(b.out, send)
         b.launched = True
         self._inflight.append(b)
         # Bound what is in flight, so bucket buffers (and the transport's receive buffers) are freed as
@@ -227,7 +229,7 @@ class GradientReducer:
 
     def grad_scale(self) -> float:
         """Factor that turns the reduced sums in the gradient partitions into the mean gradient."""
-        return 1.0 if self.predivide else 1.0 / self.world
+        return 1.0 if self.predivide else 1.0 / self.dp
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -249,34 +251,33 @@ class WeightPublisher:
     def __init__(
         self,
         partitions: Partitions,
-        comm: Communicator,
         bucket_elements: int,
         compute_dtype: torch.dtype,
         params: set[torch.nn.Parameter] | None = None,
     ):
         self.partitions = partitions
-        self.comm = comm
         self.compute_dtype = compute_dtype
-        self.buckets: list[list[tuple[ParamEntry, torch.nn.Parameter]]] = []
-        current, size = [], 0
-        for p in partitions.all_params():
-            if params is not None and p not in params:
-                continue
-            e = partitions.entry_of[p]
-            if current and size + e.padded_numel > bucket_elements:
-                self.buckets.append(current)
-                current, size = [], 0
-            current.append((e, p))
-            size += e.padded_numel
-        if current:
-            self.buckets.append(current)
+        # a bucket holds parameters of one partition group, so it is gathered over one group's ranks
+        self.buckets: list[tuple[GroupPartition, list[tuple[ParamEntry, torch.nn.Parameter]]]] = []
+        for g in partitions.groups:
+            current, size = [], 0
+            for p, e in zip(g.params, g.layout.entries):
+                if params is not None and p not in params:
+                    continue
+                if current and size + e.padded_numel > bucket_elements:
+                    self.buckets.append((g, current))
+                    current, size = [], 0
+                current.append((e, p))
+                size += e.padded_numel
+            if current:
+                self.buckets.append((g, current))
 
     @torch.no_grad()
     def publish(self) -> None:
-        world = self.partitions.world
         device = self.partitions.device
         inflight: list = []
-        for members in self.buckets:
+        for g, members in self.buckets:
+            world = g.world
             if world == 1:
                 for e, p in members:
                     p.data.view(-1).copy_(self.partitions.master_shard(e)[: e.numel])
@@ -288,7 +289,7 @@ class WeightPublisher:
                 mine[col : col + e.chunk].copy_(self.partitions.master_shard(e))
                 col += e.chunk
             rows = torch.empty((world, cols), dtype=self.compute_dtype, device=device)
-            inflight.append((members, rows, self.comm.all_gather(rows, mine)))
+            inflight.append((members, rows, g.comm.all_gather(rows, mine)))
             while len(inflight) > self.MAX_INFLIGHT:
                 self._unpack(*inflight.pop(0))
         while inflight:

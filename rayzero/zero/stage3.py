@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._pytree import tree_flatten
 
-from rayzero.comm import Communicator, Handle
+from rayzero.comm import Handle
 from rayzero.zero.partition import Partitions
 
 
@@ -34,14 +34,11 @@ class ParamGatherer:
         self,
         module: torch.nn.Module,
         partitions: Partitions,
-        comm: Communicator,
         compute_dtype: torch.dtype,
         persistence_threshold: int,
         prefetch: bool = True,
     ):
         self.partitions = partitions
-        self.comm = comm
-        self.world = partitions.world
         self.compute_dtype = compute_dtype
         self.prefetch = prefetch
         params = partitions.all_params()
@@ -54,7 +51,8 @@ class ParamGatherer:
         for p in self.persistent:
             p.data = p.data.to(compute_dtype)
         self.gathered: set[torch.nn.Parameter] = set()
-        self.inflight: dict[int, tuple[Handle, torch.Tensor, list, dict]] = {}  # unit id -> gather in flight
+        # unit id -> the unit's gathers in flight, one per partition group its parameters belong to
+        self.inflight: dict[int, list[tuple[Handle, torch.Tensor, list, dict]]] = {}
         self.units: list[Unit] = []
         seen: set[torch.nn.Parameter] = set()
         for m in module.modules():
@@ -78,31 +76,36 @@ class ParamGatherer:
         members = [p for p in unit.params if p not in self.gathered]
         if not members or id(unit) in self.inflight:
             return
-        col_of, cols = {}, 0
+        by_group: dict[int, list[torch.nn.Parameter]] = {}
         for p in members:
-            col_of[p] = cols
-            cols += self.partitions.entry_of[p].chunk
-        mine = torch.empty(cols, dtype=self.compute_dtype, device=self.partitions.device)
-        for p in members:
-            e = self.partitions.entry_of[p]
-            mine[col_of[p] : col_of[p] + e.chunk].copy_(self.partitions.master_shard(e))
-        rows = torch.empty((self.world, cols), dtype=self.compute_dtype, device=self.partitions.device)
-        self.inflight[id(unit)] = (self.comm.all_gather(rows, mine), rows, members, col_of)
+            by_group.setdefault(self.partitions.entry_of[p].group_index, []).append(p)
+        launched = []
+        for gi, params in by_group.items():
+            g = self.partitions.groups[gi]
+            col_of, cols = {}, 0
+            for p in params:
+                col_of[p] = cols
+                cols += self.partitions.entry_of[p].chunk
+            mine = torch.empty(cols, dtype=self.compute_dtype, device=self.partitions.device)
+            for p in params:
+                e = self.partitions.entry_of[p]
+                mine[col_of[p] : col_of[p] + e.chunk].copy_(self.partitions.master_shard(e))
+            rows = torch.empty((g.world, cols), dtype=self.compute_dtype, device=self.partitions.device)
+            launched.append((g.comm.all_gather(rows, mine), rows, params, col_of))
+        self.inflight[id(unit)] = launched
 
     def _complete(self, unit: Unit) -> None:
-        entry = self.inflight.pop(id(unit), None)
-        if entry is None:
-            return
-        handle, rows, members, col_of = entry
-        handle.wait()
-        for p in members:
-            if p in self.gathered:  # gathered meanwhile through another unit that shares it
-                continue
-            e = self.partitions.entry_of[p]
-            padded = torch.empty((self.world, e.chunk), dtype=self.compute_dtype, device=self.partitions.device)
-            padded.copy_(rows[:, col_of[p] : col_of[p] + e.chunk])
-            p.data = padded.view(-1)[: e.numel].view(e.shape)
-            self.gathered.add(p)
+        for handle, rows, members, col_of in self.inflight.pop(id(unit), []):
+            handle.wait()
+            world = rows.shape[0]
+            for p in members:
+                if p in self.gathered:  # gathered meanwhile through another unit that shares it
+                    continue
+                e = self.partitions.entry_of[p]
+                padded = torch.empty((world, e.chunk), dtype=self.compute_dtype, device=self.partitions.device)
+                padded.copy_(rows[:, col_of[p] : col_of[p] + e.chunk])
+                p.data = padded.view(-1)[: e.numel].view(e.shape)
+                self.gathered.add(p)
 
     @torch.no_grad()
     def gather(self, unit: Unit, prefetch_next: Unit | None = None) -> None:
@@ -120,7 +123,8 @@ class ParamGatherer:
     def release_all(self) -> None:
         """End of a backward (or of an aborted step): settle prefetches and free every gathered parameter."""
         for uid in list(self.inflight):
-            self.inflight.pop(uid)[0].wait()
+            for launched in self.inflight.pop(uid):
+                launched[0].wait()
         self.release(list(self.gathered))
 
     def on_param_reduced(self, p: torch.nn.Parameter) -> None:

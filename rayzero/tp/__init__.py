@@ -1,0 +1,3 @@
+"""Tensor parallelism: TP regions and AutoTP (sharding a model's linears by its tp_plan)."""
+
+from rayzero.tp.auto_tp import apply_auto_tp  # noqa: F401
