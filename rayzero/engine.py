@@ -191,10 +191,12 @@ class Engine:
         if not ep_on and tp == 1:
             return model_parameters
         if pre_sharded:
-            raise ConfigError(
-                "a model built under rayzero.zero_init cannot be sliced by AutoEP/AutoTP; build it without "
-                "zero_init when expert_parallel or tensor_parallel is on (each rank then keeps only its slices)"
-            )
+            # zero_init sharded over the whole world; EP/TP slices and their DP/EDP partitions are cut
+            # from whole tensors, so the shards are gathered once here (set-up holds each parameter whole
+            # for a moment; afterwards every rank keeps only the ZeRO shards of its own slices).
+            for p in model.parameters():
+                if hasattr(p, "_rayzero_shard"):
+                    materialize_frozen(p, self.comm)
         before = dict(model.named_parameters())
         if ep_on:
             from rayzero.moe.auto_ep import apply_auto_ep
@@ -388,7 +390,12 @@ class Engine:
 
     # ---- results ---------------------------------------------------------------------------------------
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        """The learning rate of each of the user's param groups (a group holding dense parameters and
+        experts is two optimizer groups inside, stepped with the same rate)."""
+        lrs: dict[int, float] = {}
+        for g, group in zip(self.partitions.groups, self.optimizer.param_groups):
+            lrs.setdefault(g.user_group, group["lr"])
+        return [lrs[k] for k in sorted(lrs)]
 
     @property
     def loss_scale(self) -> float:

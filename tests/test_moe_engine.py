@@ -130,21 +130,23 @@ def test_ep2_tp2_on_4_ranks_matches_single_process():
         assert_matches(res, ref)
 
 
-def _bf16_case(rank, world, steps, data):
-    fp32 = train_engine(rank, world, "qwen3_moe", engine_config(2, ep=2), steps, data)
-    bf16 = train_engine(rank, world, "qwen3_moe", engine_config(2, ep=2, bf16={"enabled": True}), steps, data)
-    return fp32, bf16
+def _half_case(rank, world, steps, data):
+    runs = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
+    return {k: train_engine(rank, world, "qwen3_moe", engine_config(2, ep=2, **extra), steps, data)
+            for k, extra in runs.items()}
 
 
-def test_ep2_bf16_tracks_fp32():
+def test_ep2_bf16_and_fp16_track_fp32():
     steps = 3
     data = batches(steps, shards=2, micro=2)
-    fp32, bf16 = run_distributed(_bf16_case, 2, steps, data)[0]
-    for a, b in zip(fp32["losses"], bf16["losses"]):
-        assert abs(a - b) <= 0.02 * abs(a)
-    for name, w in fp32["weights"].items():
-        rel = (bf16["weights"][name].float() - w).norm() / max(w.norm(), 1e-6)
-        assert rel < 0.02, (name, float(rel))
+    runs = run_distributed(_half_case, 2, steps, data)[0]
+    fp32 = runs["fp32"]
+    for kind in ("bf16", "fp16"):
+        for a, b in zip(fp32["losses"], runs[kind]["losses"]):
+            assert abs(a - b) <= 0.02 * abs(a), kind
+        for name, w in fp32["weights"].items():
+            rel = (runs[kind]["weights"][name].float() - w).norm() / max(w.norm(), 1e-6)
+            assert rel < 0.02, (kind, name, float(rel))
 
 
 # ---- bad layouts ---------------------------------------------------------------------------------------
@@ -220,3 +222,24 @@ def test_export_of_an_ep2_tp2_checkpoint_loads_into_the_hf_model(tmp_path):
                               load_from=ckpt)[0]
     for name, w in resumed["weights"].items():  # the checkpoint's weights, consolidated by a world-1 engine
         assert torch.equal(loaded[name], w), name
+
+
+def _zero_init_case(rank, world, steps, data):
+    import moe_cases
+    import rayzero
+
+    real = moe_cases.MODELS["qwen3_moe"]
+
+    def under_zero_init(seed=0):
+        with rayzero.zero_init(seed=seed):
+            return real(seed)
+
+    moe_cases.MODELS["qwen3_moe_zero_init"] = under_zero_init
+    return train_engine(rank, world, "qwen3_moe_zero_init", engine_config(3, ep=2), steps, data)
+
+
+def test_ep2_with_zero_init_stage3_matches_single_process():
+    steps = 2
+    data = batches(steps, shards=2, micro=2)
+    ref = train_reference("qwen3_moe", steps, data)
+    assert_matches(run_distributed(_zero_init_case, 2, steps, data)[0], ref)
