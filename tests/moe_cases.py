@@ -49,7 +49,40 @@ def tiny_qwen3(seed: int = 0):
     return Qwen3ForCausalLM(config)
 
 
+class TinyMoELM(torch.nn.Module):
+    """A user's own model with rayzero.moe.MoE layers (shared expert, z-loss): the loss includes the
+    layers' auxiliary losses, as users write it."""
+
+    def __init__(self, hidden: int = 32, experts: int = 4):
+        super().__init__()
+        from rayzero.moe import MoE
+
+        self.embed = torch.nn.Embedding(VOCAB, hidden)
+        self.moe1 = MoE(hidden, 48, experts, top_k=2, num_shared_experts=1, z_loss_coef=0.001)
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.moe2 = MoE(hidden, 48, experts, top_k=1)
+        self.head = torch.nn.Linear(hidden, VOCAB)
+
+    def forward(self, input_ids, labels):
+        from types import SimpleNamespace
+
+        from rayzero.moe import moe_aux_loss
+
+        h = self.embed(input_ids)
+        h = h + self.moe1(h)
+        h = h + self.moe2(self.norm(h))
+        logits = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return SimpleNamespace(loss=loss + moe_aux_loss(self), logits=logits)
+
+
+def tiny_rayzero_moe(seed: int = 0):
+    torch.manual_seed(seed)
+    return TinyMoELM()
+
+
 MODELS = {
+    "rayzero_moe": tiny_rayzero_moe,
     "qwen3_moe": tiny_qwen3_moe,
     # without the router's auxiliary loss the loss is a mean over samples, so any cut of a batch into
     # data shards gives the same gradient: what a checkpoint resumed at another degree needs

@@ -99,6 +99,15 @@ def test_ep2_qwen3_moe_zero123_matches_single_process():
         assert_matches(res, ref)
 
 
+def test_ep2_rayzero_moe_layers_match_single_process():
+    steps = 3
+    data = batches(steps, shards=2, micro=2)
+    ref = train_reference("rayzero_moe", steps, data)
+    results = run_distributed(_stages, 2, "rayzero_moe", (2, 3), steps, data, ep=2)
+    for stage, res in results[0].items():
+        assert_matches(res, ref)
+
+
 def test_ep2_mixtral_stage0_accumulation_matches_single_process():
     steps = 2
     data = batches(steps, shards=2, micro=1, gas=2)

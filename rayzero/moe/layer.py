@@ -186,6 +186,14 @@ def _check_group(group, size: int, rank: int, what: str) -> None:
         )
 
 
+class Router(nn.Linear):
+    """The router's linear layer, computing its logits in fp32.  Called as a module (not through its
+    weight) so that ZeRO-3 gathers the weight for its forward like any other module's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class MoE(nn.Module):
     """Token-choice top-k mixture of experts: ``(..., hidden_size) -> (..., hidden_size)``.
 
@@ -255,7 +263,7 @@ class MoE(nn.Module):
         self.z_loss_coef = z_loss_coef
         self.router_jitter = router_jitter
 
-        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.router = Router(hidden_size, num_experts, bias=False)
         self.experts = MoEExperts(num_experts, hidden_size, ffn_hidden_size, activation)
         self.num_shared_experts = num_shared_experts
         self.shared_experts = (
@@ -367,7 +375,7 @@ class MoE(nn.Module):
         ``topk_weight`` ``(T, k)`` their fp32 weights; ``probs`` and ``logits`` are ``(T, E)`` fp32.
         This also sets ``self.aux_loss`` and ``self.tokens_per_expert``.
         """
-        logits = F.linear(self._router_input(x), self.router.weight.float())
+        logits = self.router(self._router_input(x))
         probs = torch.softmax(logits, dim=-1)
         topk_weight, topk_index = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_topk:
