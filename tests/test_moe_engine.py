@@ -252,3 +252,17 @@ def test_ep2_with_zero_init_stage3_matches_single_process():
     data = batches(steps, shards=2, micro=2)
     ref = train_reference("qwen3_moe", steps, data)
     assert_matches(run_distributed(_zero_init_case, 2, steps, data)[0], ref)
+
+
+def _deterministic_twice(rank, world, steps, data):
+    cfg = engine_config(2, ep=2, deterministic=True)
+    return [train_engine(rank, world, "qwen3_moe", cfg, steps, data) for _ in range(2)]
+
+
+def test_ep2_deterministic_policy_repeats_bitwise():
+    steps = 3
+    data = batches(steps, shards=2, micro=2)
+    first, second = run_distributed(_deterministic_twice, 2, steps, data)[0]
+    assert first["losses"] == second["losses"] and first["norms"] == second["norms"]
+    for name, w in first["weights"].items():
+        assert torch.equal(w, second["weights"][name]), name
