@@ -362,6 +362,11 @@ class ExpertParallelConfig(_Section):
 
     def _validate(self) -> None:
         self._check("autoep_size", self.autoep_size >= 1, "must be an integer >= 1")
+        if self.autoep_size > 1 and not self.enabled:
+            raise ConfigError(
+                f"config key 'expert_parallel.autoep_size' = {self.autoep_size} has no effect while "
+                "'expert_parallel.enabled' is false; set enabled to true (or remove autoep_size)"
+            )
 
     @property
     def size(self) -> int:

@@ -12,6 +12,7 @@ import logging
 import math
 import time
 import weakref
+from types import SimpleNamespace
 from typing import Any, Iterable
 
 import torch
@@ -29,7 +30,7 @@ from rayzero.optim.clip import clip_coefficient, global_grad_norm
 from rayzero.optim.factory import build_optimizer
 from rayzero.optim.schedulers import build_scheduler
 from rayzero.optim.loss_scaler import LossScaler
-from rayzero.parallel.slicing import canonical_to_full
+from rayzero.parallel.slicing import canonical_to_full, splits_of
 from rayzero.parallel.state import ParallelState
 from rayzero.topology import ParallelDims
 from rayzero.zero.partition import Partitions
@@ -72,6 +73,16 @@ class Engine:
         transport = "ordered" if cfg.deterministic else "auto"
         self.parallel = ParallelState(self.topology, self.rank, transport)
         self.comm = self.parallel.world
+        try:
+            self._build(model, model_parameters)
+        except BaseException:
+            self.parallel.destroy()  # the groups made above would otherwise outlive a failed set-up
+            raise
+        _live_engines.add(self)
+
+    def _build(self, model: torch.nn.Module, model_parameters: Iterable | None) -> None:
+        """Everything past the process groups: slicing, partitions, reducer, optimizer."""
+        cfg = self.config
 
         pre_sharded = any(hasattr(p, "_rayzero_shard") for p in model.parameters())
         if pre_sharded and self.stage != 3:
@@ -144,7 +155,9 @@ class Engine:
         self.optimizer = build_optimizer(
             self._optimizer_config(), [dict(params=[g.master], **g.overrides) for g in self.partitions.groups]
         )
-        self.lr_scheduler = build_scheduler(cfg.scheduler, self.optimizer)
+        self.lr_scheduler = build_scheduler(
+            cfg.scheduler, self.optimizer, [g.user_group for g in self.partitions.groups]
+        )
         self.loss_scaler = LossScaler.from_fp16_config(cfg.fp16)
         self.global_steps = 0
         self.micro_steps = 0
@@ -157,7 +170,6 @@ class Engine:
         # wall_clock_breakdown: seconds spent in forward / backward / step since the last report
         self._timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._checkpoint = CheckpointIO(self)
-        _live_engines.add(self)
 
     # ---- set-up helpers --------------------------------------------------------------------------------
     @staticmethod
@@ -192,12 +204,12 @@ class Engine:
             return model_parameters
         if pre_sharded:
             # zero_init sharded over the whole world; EP/TP slices and their DP/EDP partitions are cut
-            # from whole tensors, so the shards are gathered once here (set-up holds each parameter whole
-            # for a moment; afterwards every rank keeps only the ZeRO shards of its own slices).
+            # from whole tensors, so the shards are gathered here: set-up holds the whole model once,
+            # afterwards every rank keeps only the ZeRO shards of its own slices.
             for p in model.parameters():
                 if hasattr(p, "_rayzero_shard"):
                     materialize_frozen(p, self.comm)
-        before = dict(model.named_parameters())
+        before = {n: id(p) for n, p in model.named_parameters()}  # ids only: replaced tensors can be freed
         if ep_on:
             from rayzero.moe.auto_ep import apply_auto_ep
 
@@ -211,7 +223,7 @@ class Engine:
 
             apply_auto_tp(model, self.parallel.tp_group, tp, coords.tp, plan=cfg.tensor_parallel.tp_plan)
         after = dict(model.named_parameters())
-        replaced = {id(before[n]): after[n] for n in before if n in after and after[n] is not before[n]}
+        replaced = {before[n]: after[n] for n in before if n in after and id(after[n]) != before[n]}
         if model_parameters is None or not replaced:
             return model_parameters
         swap = lambda p: replaced.get(id(p), p)
@@ -325,7 +337,9 @@ class Engine:
             self.reducer.reduce_now = True
             self.reducer.flush()
         unscale = self.reducer.grad_scale() / self.loss_scaler.scale
-        raw = global_grad_norm(self.partitions.local_grad_sq_sum(), self.comm)
+        # stage 0 without EP/TP: every rank holds the whole reduced gradient, so the local sum is global
+        replicated = self.stage == 0 and self.parallel.groups is None
+        raw = global_grad_norm(self.partitions.local_grad_sq_sum(replicated), None if replicated else self.comm)
         norm = raw * unscale
         self.global_grad_norm = norm
         if not math.isfinite(norm):
@@ -410,6 +424,9 @@ class Engine:
             e = self.partitions.entry_of[p]
             full[id(p)] = self._unslice(self.partitions.gather_full(e), e)
         out = {}
+        for p in self.module.parameters():
+            if id(p) not in full and splits_of(p):  # a frozen EP/TP slice: put the whole tensor together
+                full[id(p)] = self._unslice(p.detach().clone(), SimpleNamespace(shape=p.shape, splits=splits_of(p)))
         for name, p in self.module.named_parameters(remove_duplicate=False):
             out[name] = full[id(p)] if id(p) in full else p.detach().clone()
         for name, b in self.module.named_buffers():
@@ -426,11 +443,7 @@ class Engine:
         self.comm.all_gather(rows, local.reshape(-1).contiguous()).wait()
         by_slice: dict[int, torch.Tensor] = {}
         for r in range(self.world_size):
-            c = self.topology.coords(r)
-            index = 0
-            for s in entry.splits:
-                index = index * s.parts + (c.ep if s.axis == "ep" else c.tp)
-            by_slice.setdefault(index, rows[r])
+            by_slice.setdefault(self.parallel.slice_index_of(r, entry.splits), rows[r])
         canonical = torch.cat([by_slice[i] for i in range(len(by_slice))])
         return canonical_to_full(canonical, entry.shape, entry.splits)
 

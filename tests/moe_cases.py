@@ -81,12 +81,20 @@ def tiny_rayzero_moe(seed: int = 0):
     return TinyMoELM()
 
 
+def _frozen_experts(model):
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            p.requires_grad_(False)
+    return model
+
+
 MODELS = {
     "rayzero_moe": tiny_rayzero_moe,
     "qwen3_moe": tiny_qwen3_moe,
     # without the router's auxiliary loss the loss is a mean over samples, so any cut of a batch into
     # data shards gives the same gradient: what a checkpoint resumed at another degree needs
     "qwen3_moe_noaux": lambda seed=0: tiny_qwen3_moe(seed, aux_loss=False),
+    "qwen3_moe_frozen_experts": lambda seed=0: _frozen_experts(tiny_qwen3_moe(seed, aux_loss=False)),
     "mixtral": tiny_mixtral,
     "qwen3": tiny_qwen3,
 }

@@ -266,3 +266,26 @@ def test_ep2_deterministic_policy_repeats_bitwise():
     assert first["losses"] == second["losses"] and first["norms"] == second["norms"]
     for name, w in first["weights"].items():
         assert torch.equal(w, second["weights"][name]), name
+
+
+def test_frozen_experts_are_saved_whole_and_resume_at_another_degree(tmp_path):
+    """Frozen expert slices are not partitioned: each slice is written once, at its place in the full
+    tensor, and comes back whole in full_state_dict, in the export and at another EP degree."""
+    from moe_cases import MODELS
+
+    steps = 3
+    data = batches(steps, shards=2, micro=1)
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(train_engine, 2, "qwen3_moe_frozen_experts", engine_config(2, ep=2, micro=1), steps,
+                            data, save_to=ckpt, save_after=2)[0]
+    fresh = MODELS["qwen3_moe_frozen_experts"]().state_dict()
+    experts = [n for n in fresh if ".experts." in n]
+    assert experts
+    for name in experts:  # frozen: unchanged, and whole
+        assert torch.equal(saved["weights"][name], fresh[name]), name
+    resumed = run_distributed(train_engine, 1, "qwen3_moe_frozen_experts", engine_config(1, micro=1, gas=2),
+                              steps, data[:, 0][:, :, None], load_from=ckpt)[0]
+    assert_matches(resumed, {"norms": saved["norms"][2:], "weights": saved["weights"]})
+    loaded = run_distributed(_export_case, 1, ckpt, str(tmp_path / "model.safetensors"))[0]
+    for name in experts:
+        assert torch.equal(loaded[name], fresh[name]), name

@@ -14,6 +14,7 @@ import hashlib
 import json
 import random
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +36,9 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.parallel.slicing import (
     canonical_to_full,
     from_layout_dicts,
+    full_shape_of,
+    slice_index,
+    splits_of,
     layout_dicts,
     local_shape_of,
     local_slice,
@@ -116,8 +120,13 @@ def snapshot(engine: "Engine", staging: dict | None) -> list[Fragment]:
             frags.append(Fragment(e.name, STATE_MASTER, c0, c1, take(g.master[a:b], (e.name, STATE_MASTER))))
             for name, flat in states[gi].items():
                 frags.append(Fragment(e.name, name, c0, c1, take(flat[a:b], (e.name, name))))
-    if engine.rank == 0:
-        for name, t in _whole_tensors(engine).items():
+    for name, t in _whole_tensors(engine).items():
+        splits = splits_of(t)
+        if splits:  # a frozen EP/TP slice: its first holder writes it at its canonical offset
+            if engine.parallel.first_holder(splits):
+                at = slice_index(splits) * t.numel()
+                frags.append(Fragment(name, STATE_WHOLE, at, at + t.numel(), take(t.reshape(-1), (name, STATE_WHOLE))))
+        elif engine.rank == 0:
             frags.append(Fragment(name, STATE_WHOLE, 0, t.numel(), take(t.reshape(-1), (name, STATE_WHOLE))))
     return frags
 
@@ -222,15 +231,17 @@ def build_manifest(engine: "Engine", tag: str, client_state: Any) -> dict:
     whole = []
     for n, t in _whole_tensors(engine).items():
         names = whole_names_of.get(id(t), [n])
-        whole.append(
-            {
-                "name": n,
-                "aliases": [a for a in names if a != n],
-                "shape": list(t.shape),
-                "dtype": dtype_name(t.dtype),
-                "persistent": n in in_state_dict,  # non-persistent buffers are not part of state_dict()
-            }
-        )
+        splits = splits_of(t)
+        info = {
+            "name": n,
+            "aliases": [a for a in names if a != n],
+            "shape": list(full_shape_of(t.shape, splits)),
+            "dtype": dtype_name(t.dtype),
+            "persistent": n in in_state_dict,  # non-persistent buffers are not part of state_dict()
+        }
+        if splits:
+            info["splits"] = layout_dicts(splits)
+        whole.append(info)
     scalar = _scalar_states(engine)
     groups = []
     for gi, (g, group) in enumerate(zip(engine.partitions.groups, engine.optimizer.param_groups)):
@@ -550,10 +561,17 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
         # tensors on the parameter's device, others as CPU tensors; moments in the parameter's dtype.
         engine.optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
 
+    saved_whole = {w["name"]: w for w in manifest.get("whole", [])}
     for name, t in _whole_tensors(engine).items():
         if (name, STATE_WHOLE) in index.where:
             flat = torch.empty(t.numel(), dtype=t.dtype)
-            index.fill(name, STATE_WHOLE, 0, t.numel(), flat)
+            splits = splits_of(t)
+            if splits or saved_whole.get(name, {}).get("splits"):
+                saved = dict(saved_whole[name], numel=_prod(saved_whole[name]["shape"]))
+                here = SimpleNamespace(splits=splits, canonical_offset=slice_index(splits) * t.numel())
+                _slice_filler(index, saved, here)(name, STATE_WHOLE, 0, t.numel(), flat)
+            else:
+                index.fill(name, STATE_WHOLE, 0, t.numel(), flat)
             t.data.copy_(flat.view(t.shape))
         elif strict:
             raise CheckpointError(f"the checkpoint has no buffer or frozen parameter {name!r}; load with strict=False")
@@ -566,8 +584,11 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
     engine.global_samples = manifest["global_samples"]
     # Micro-steps continue in the current accumulation schedule, which may differ after a resize.
     engine.micro_steps = manifest["global_steps"] * engine.gradient_accumulation_steps
-    if manifest["world_size"] == engine.world_size:
+    saved_layout = manifest.get("topology", {})
+    same_layout = saved_layout.get("tp", 1) == engine.topology.tp and saved_layout.get("ep", 1) == engine.topology.ep
+    if manifest["world_size"] == engine.world_size and same_layout:
         _set_rng_state(manifest["rng"][engine.rank])
     else:
-        _rederive_rng(engine.config.seed, engine.global_steps, engine.rank)
+        # new ranks: derive each data shard's streams afresh (the ranks of a TP group share theirs)
+        _rederive_rng(engine.config.seed, engine.global_steps, engine.dp_rank)
     return manifest.get("client_state"), problems

@@ -328,7 +328,8 @@ def export(
     for w in m.get("whole", []):
         if not w.get("persistent", True):  # not part of the model's state_dict
             continue
-        t = _assemble(index, w["name"], STATE_WHOLE, _numel(w["shape"]), w["shape"]).to(dtype_from_name(w["dtype"]))
+        t = _assemble(index, w["name"], STATE_WHOLE, _numel(w["shape"]), w["shape"], w.get("splits"))
+        t = t.to(dtype_from_name(w["dtype"]))
         nbytes += t.numel() * t.element_size()
         tensors[w["name"]] = t
         for alias in w.get("aliases", []):

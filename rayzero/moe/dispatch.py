@@ -86,22 +86,27 @@ def expert_parallel_apply(
         # counts_from[src, j]: assignments rank src sends to this rank's local expert j
         counts_from = torch.empty(ep_size * local, dtype=counts.dtype, device=counts.device)
         dist.all_to_all_single(counts_from, counts, group=ep_group)
-        counts_from = counts_from.view(ep_size, local)
-        send_splits = counts.view(ep_size, local).sum(1).tolist()
-        recv_splits = counts_from.sum(1).tolist()
+        # one device-to-host copy of the counts; the index arithmetic below runs on the host
+        send_counts = counts.view(ep_size, local).tolist()
+        recv_counts = counts_from.view(ep_size, local).tolist()  # [src][j]
+        send_splits = [sum(row) for row in send_counts]
+        recv_splits = [sum(row) for row in recv_counts]
         received = all_to_all(routed, recv_splits, send_splits, ep_group)  # source-major, then local expert
         # regroup source-major -> local-expert-major for compute, and back afterwards
-        src_major = counts_from.reshape(-1)
-        starts = torch.cumsum(src_major, 0) - src_major  # where (src, j) starts in `received`
+        start_of, at = {}, 0
+        for src in range(ep_size):
+            for j in range(local):
+                start_of[src, j] = at
+                at += recv_counts[src][j]
         pieces = [
-            torch.arange(int(starts[s * local + j]), int(starts[s * local + j] + src_major[s * local + j]))
+            torch.arange(start_of[src, j], start_of[src, j] + recv_counts[src][j])
             for j in range(local)
-            for s in range(ep_size)
+            for src in range(ep_size)
         ]
-        regroup = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
-        regroup = regroup.to(hidden.device)
+        regroup = torch.cat(pieces).to(hidden.device)
         expert_major = received.index_select(0, regroup)
-        computed = compute(expert_major, counts_from.sum(0).tolist())
+        tokens_per_local = [sum(recv_counts[src][j] for src in range(ep_size)) for j in range(local)]
+        computed = compute(expert_major, tokens_per_local)
         back = torch.empty_like(computed).index_copy(0, regroup, computed) if computed.shape[0] else computed
         out = all_to_all(back, send_splits, recv_splits, ep_group)
 

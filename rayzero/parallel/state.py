@@ -61,7 +61,16 @@ class ParallelState:
         self.world = Communicator.for_group(None, transport=transport)
         if dims.world_size > 1 and (dims.tp > 1 or dims.ep > 1):
             self.groups = build_process_groups(dims, rank)
-            comm = lambda g: Communicator.for_group(g, transport=transport)
+            # One Communicator per process group: two over the same group would hand out the same
+            # pairwise tags to collectives in flight together.
+            comms: dict = {}
+
+            def comm(group):
+                key = None if group is dist.group.WORLD else group
+                if key is None:
+                    return self.world
+                return comms.setdefault(key, Communicator.for_group(key, transport=transport))
+
             self.dp, self.edp = comm(self.groups.dp), comm(self.groups.edp)
             self.tp_group, self.ep_group = self.groups.tp, self.groups.ep
         else:
@@ -85,6 +94,19 @@ class ParallelState:
 
     def domain_of(self, p: torch.Tensor) -> ReduceDomain:
         return self._domains[param_kind(p)]
+
+    def slice_index_of(self, rank: int, splits) -> int:
+        """Which EP/TP slice (canonical position) ``rank`` holds of a tensor cut by ``splits``."""
+        c = self.dims.coords(rank)
+        index = 0
+        for s in splits:
+            index = index * s.parts + (c.ep if s.axis == "ep" else c.tp)
+        return index
+
+    def first_holder(self, splits) -> bool:
+        """Whether this rank is the lowest rank holding its slice (the one that saves a frozen slice)."""
+        mine = self.slice_index_of(self.rank, splits)
+        return next(r for r in range(self.dims.world_size) if self.slice_index_of(r, splits) == mine) == self.rank
 
     def destroy(self) -> None:
         if self.groups is not None:

@@ -325,7 +325,9 @@ def apply_auto_tp(model: nn.Module, tp_group, tp_size: int, tp_rank: int, plan: 
         targets, tried, expert_matched = _resolve_plan(model, hf, prefix, user=False)
     else:
         source = "name patterns"
-        targets, expert_matched = _fallback_targets(model), False
+        # experts (cut over TP by AutoEP, or by a rayzero MoE layer's shard_experts) count as handled
+        experts = any(getattr(p, "_rayzero_expert", False) for p in model.parameters())
+        targets, expert_matched = _fallback_targets(model), experts
         tried = [f"*.{n} (colwise)" for n in FALLBACK_COLWISE] + [f"*.{n} (rowwise)" for n in FALLBACK_ROWWISE]
 
     shard = [t for t in targets if t.style in _SHARD_STYLES]

@@ -17,7 +17,7 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.config import Config, ConfigError
 from rayzero.train.cluster_config import ClusterConfig
 from rayzero.train.metrics import read_metrics
-from rayzero.train.planning import plan_range
+from rayzero.train.planning import plan_range, skipped_sizes
 from rayzero.train.worker import WorkerSpec, train_loop_per_worker
 
 logger = logging.getLogger("rayzero")
@@ -153,21 +153,39 @@ def fit(
     iterable of batches``.  ``loss_fn(model_output, batch)`` gives the loss, where the model is called on
     ``batch[0]`` (or ``**batch`` for a dict); or ``train_step(engine, batch)`` runs forward, backward and
     step itself and returns the loss.
+
+    With ``tensor_parallel.autotp_size`` / ``expert_parallel`` in ``config`` every world size is laid out as
+    tp x dp (dp a multiple of ep) and the global batch is cut over the dp data shards: the ranks of one TP
+    group read the same samples, and a factory is called with the data-parallel rank and size.
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     cluster = ClusterConfig.from_any(cluster_cfg)
     cfg = Config.from_any(config if config is not None else {})
+    # the model-parallel layout: tp ranks share one data shard; ep splits the data-parallel ranks further
+    tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
     global_batch = cfg.train_batch_size
     if global_batch is None:
         micro = cfg.train_micro_batch_size_per_gpu or 1
-        global_batch = micro * (cfg.gradient_accumulation_steps or 1) * cluster.min_workers
+        global_batch = micro * (cfg.gradient_accumulation_steps or 1) * max(1, cluster.min_workers // tp)
     micro_sizes = cluster.micro_batch_sizes
     if micro_sizes is None and cfg.train_micro_batch_size_per_gpu:
         # The config's micro-batch is the largest the user wants; smaller ones that divide are acceptable.
         micro_sizes = list(range(1, cfg.train_micro_batch_size_per_gpu + 1))
-    plans = plan_range(global_batch, cluster.min_workers, cluster.max_workers, micro_sizes)
+    plans = plan_range(global_batch, cluster.min_workers, cluster.max_workers, micro_sizes, tp, ep)
+    skipped = skipped_sizes(cluster.min_workers, cluster.max_workers, tp, ep)
+    if tp > 1 and _is_ray_dataset(data):
+        raise ConfigError(
+            f"a ray.data Dataset is split over every worker, but with tensor_parallel.autotp_size={tp} the {tp} "
+            "ranks of a TP group must read the same samples; pass a map-style dataset or a factory "
+            "(rank, world, micro_batch) -> iterable, which fit calls with the data-parallel rank and size"
+        )
+    if zero_init and (tp > 1 or cfg.expert_parallel.enabled):
+        raise ConfigError(
+            "zero_init=True cannot be combined with expert_parallel or tensor_parallel: AutoEP/AutoTP slice the "
+            "whole model each rank builds; leave zero_init unset (each rank then keeps only its slices)"
+        )
     if max_steps < 1:
         raise ConfigError(f"max_steps must be >= 1, got {max_steps}")
     if not isinstance(model, torch.nn.Module) and not callable(model):
@@ -185,7 +203,12 @@ def fit(
     print(format_node_table(nodes), flush=True)
     _check_fits(model, cfg, cluster, nodes)
     for w, plan in plans.items():
-        logger.info("world %d: micro-batch %d x accumulation %d", w, plan.micro_batch, plan.accumulation)
+        logger.info("%s", plan.describe())
+    if skipped:
+        note = (f"[rayzero] world sizes {sorted(skipped)} of [{cluster.min_workers}, {cluster.max_workers}] cannot "
+                f"host tp {tp} x ep {ep} and are skipped (a worker group started at one of them stops with a "
+                f"ConfigError); usable sizes: {sorted(plans)}")
+        print(note, flush=True)
 
     config_dict = cfg.to_dict()
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
@@ -204,7 +227,13 @@ def fit(
         seed=seed,
         shuffle=shuffle,
         record_samples=record_samples,
-        zero_init=bool(zero_init) if zero_init is not None else (cfg.zero_optimization.stage == 3 and not isinstance(model, torch.nn.Module)),
+        zero_init=bool(zero_init) if zero_init is not None else (
+            cfg.zero_optimization.stage == 3 and not isinstance(model, torch.nn.Module)
+            and tp == 1 and not cfg.expert_parallel.enabled  # AutoEP/AutoTP slice a whole model
+        ),
+        tp=tp,
+        ep=ep,
+        world_sizes=sorted(plans),
     )
     for what in ("data", "loss_fn", "train_step", "collate"):
         try:

@@ -1,10 +1,13 @@
 """The loop each Ray Train worker runs: build the Engine, resume, train, checkpoint, report.
 
 Every (re)start of the worker group lands here with whatever world size Ray gave it.  The worker re-plans
-the step for that world size (the global batch stays), loads the latest universal checkpoint resharded to
-its own partition, and continues at the next global sample.  Checkpoints are written by every rank
-straight into the run's storage and handed to ``ray.train.report`` as already-uploaded, so Ray keeps
-track of them (and of how many to keep) without copying any data.
+the step for that world size (the global batch stays; a size that cannot host the run's tensor x expert
+parallel layout stops with a ConfigError), loads the latest universal checkpoint resharded to its own
+partition (and EP/TP slices), and continues at the next global sample.  Data is cut by the engine's
+data-parallel coordinate (``engine.dp_rank`` of ``engine.dp_world_size``), so the ranks of one TP group
+feed the same samples.  Checkpoints are written by every rank straight into the run's storage and handed
+to ``ray.train.report`` as already-uploaded, so Ray keeps track of them (and of how many to keep) without
+copying any data.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class WorkerSpec:
     shuffle: bool = True
     record_samples: bool = False
     zero_init: bool = False
+    tp: int = 1  # tensor_parallel.autotp_size
+    ep: int = 1  # expert_parallel.autoep_size when expert_parallel is enabled, else 1
+    world_sizes: list[int] | None = None  # the sizes of the elastic range the driver planned (for errors)
     extra: dict = field(default_factory=dict)
 
 
@@ -77,9 +83,16 @@ def train_loop_per_worker(spec: WorkerSpec) -> dict:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(os.environ.get("RAYZERO_THREADS_PER_WORKER", "1"))))
-    plan = plan_step(spec.global_batch, world, spec.micro_batch_sizes)
+    plan = _plan_for(spec, world)
     config = {**spec.config, **plan.config_overrides()}
     engine = rayzero.initialize(_build_model(spec), config)
+    # the data coordinate: ranks of one TP group feed the same batch, so data is cut over dp, not world
+    dp_rank, dp_world = engine.dp_rank, engine.dp_world_size
+    if dp_world != plan.dp:
+        raise RuntimeError(
+            f"the engine laid {world} workers out with {dp_world} data shards, the plan with {plan.dp} "
+            f"(tp {plan.tp} x ep {plan.ep}); the config sent to the workers and the plan disagree"
+        )
 
     run_storage = ctx.get_storage()
     storage = Storage.on(run_storage.storage_filesystem, run_storage.experiment_fs_path)
@@ -93,7 +106,7 @@ def train_loop_per_worker(spec: WorkerSpec) -> dict:
 
     metrics = MetricsWriter(storage) if rank == 0 else None
     order = GlobalOrder(len(spec.data), spec.seed, spec.shuffle) if _is_map_dataset(spec.data) else None
-    stream = None if order is not None else _stream_batches(spec, rank, world, plan, start_step)
+    stream = None if order is not None else _stream_batches(spec, dp_rank, dp_world, plan, start_step)
     samples_log = storage.join(SAMPLES_FILE) if spec.record_samples and storage.local else None
     collate = spec.collate or _default_collate
     last_time = time.perf_counter()
@@ -101,7 +114,7 @@ def train_loop_per_worker(spec: WorkerSpec) -> dict:
     for step in range(start_step, spec.max_steps):
         step_loss = torch.zeros(1)
         if order is not None:
-            batches = micro_batches(order, step, spec.global_batch, world, rank, plan.micro_batch)
+            batches = micro_batches(order, step, spec.global_batch, dp_world, dp_rank, plan.micro_batch)
         else:
             batches = (next(stream) for _ in range(plan.accumulation))
         ids_seen = []
@@ -118,12 +131,13 @@ def train_loop_per_worker(spec: WorkerSpec) -> dict:
                 engine.backward(loss)
                 engine.step()
             step_loss += float(loss.detach() if torch.is_tensor(loss) else loss) / plan.accumulation
-        if world > 1:
+        if world > 1:  # every data shard appears tp times in the world, so the world mean is the shards' mean
             dist.all_reduce(step_loss)
         loss_value = step_loss.item() / world
         if samples_log is not None:
             with open(samples_log, "a") as f:
-                f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "ids": ids_seen}) + "\n")
+                f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "dp_rank": dp_rank,
+                                    "dp_world_size": dp_world, "ids": ids_seen}) + "\n")
         now = time.perf_counter()
         record = {
             "step": step + 1,
@@ -133,6 +147,9 @@ def train_loop_per_worker(spec: WorkerSpec) -> dict:
             "world_size": world,
             "micro_batch": plan.micro_batch,
             "accumulation": plan.accumulation,
+            "tp": plan.tp,
+            "ep": plan.ep,
+            "dp": dp_world,
             "samples": engine.global_samples,
             "samples_per_s": spec.global_batch / max(now - last_time, 1e-9),
             "time": time.time(),
@@ -155,12 +172,31 @@ def train_loop_per_worker(spec: WorkerSpec) -> dict:
     return result
 
 
+def _plan_for(spec: WorkerSpec, world: int):
+    """This world size's plan; a size the layout cannot host (or the batch cannot be cut over) stops the
+    worker group with a ConfigError that says which sizes work, rather than training with a wrong layout."""
+    try:
+        return plan_step(spec.global_batch, world, spec.micro_batch_sizes, spec.tp, spec.ep)
+    except rayzero.ConfigError as e:
+        usable = f"; world sizes of the range that work: {spec.world_sizes}" if spec.world_sizes else ""
+        fix = ""
+        if spec.tp * spec.ep > 1:
+            fix = (f". Give the cluster resources for one of those sizes, or use an elastic range whose sizes are "
+                   f"all multiples of tp x ep = {spec.tp * spec.ep}")
+        raise rayzero.ConfigError(
+            f"Ray Train started the worker group with {world} workers, which this run cannot use: {e}{usable}{fix}"
+        ) from None
+
+
 def _is_map_dataset(data) -> bool:
     return data is not None and hasattr(data, "__getitem__") and hasattr(data, "__len__")
 
 
 def _stream_batches(spec: WorkerSpec, rank: int, world: int, plan, start_step: int):
-    """Micro-batches from a ray.data shard or a user factory; a resumed run skips what was consumed."""
+    """Micro-batches from a ray.data shard or a user factory; a resumed run skips what was consumed.
+
+    ``rank`` / ``world`` are the data-parallel coordinate (``engine.dp_rank`` / ``engine.dp_world_size``):
+    a factory is called with them, so the ranks of one TP group get the same stream."""
     import ray.train
 
     if spec.data is None:

@@ -116,16 +116,18 @@ class Partitions:
         for g in self.groups:
             g.grad.zero_()
 
-    def local_grad_sq_sum(self) -> torch.Tensor:
+    def local_grad_sq_sum(self, whole_on_every_rank: bool = False) -> torch.Tensor:
         """Sum of squares of the gradient elements this rank counts, in fp32.
 
         Summed over all ranks it covers every distinct element exactly once: partitions are disjoint
         inside their domain's group, TP replicas count only on their primary rank, and where every rank of
-        a group holds the whole gradient (stage 0) only the group's rank 0 counts it.
+        a group holds the whole gradient (stage 0) only the group's rank 0 counts it.  With
+        ``whole_on_every_rank`` (stage 0 without EP/TP) this rank counts everything: its sum is the global
+        one and needs no collective.
         """
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in self.groups:
-            counted = g.domain.primary and (g.world > 1 or g.domain.comm.rank == 0)
+            counted = whole_on_every_rank or (g.domain.primary and (g.world > 1 or g.domain.comm.rank == 0))
             if counted and g.grad.numel():
                 total += torch.dot(g.grad, g.grad)
         return total

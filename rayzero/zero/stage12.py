@@ -257,20 +257,25 @@ class WeightPublisher:
     ):
         self.partitions = partitions
         self.compute_dtype = compute_dtype
-        # a bucket holds parameters of one partition group, so it is gathered over one group's ranks
+        # a bucket holds parameters partitioned over one communicator (it is gathered over those ranks);
+        # consecutive partition groups over the same ranks share buckets
         self.buckets: list[tuple[GroupPartition, list[tuple[ParamEntry, torch.nn.Parameter]]]] = []
+        current, size, owner = [], 0, None
         for g in partitions.groups:
-            current, size = [], 0
+            if current and g.comm is not owner.comm:
+                self.buckets.append((owner, current))
+                current, size = [], 0
+            owner = g
             for p, e in zip(g.params, g.layout.entries):
                 if params is not None and p not in params:
                     continue
                 if current and size + e.padded_numel > bucket_elements:
-                    self.buckets.append((g, current))
+                    self.buckets.append((owner, current))
                     current, size = [], 0
                 current.append((e, p))
                 size += e.padded_numel
-            if current:
-                self.buckets.append((g, current))
+        if current:
+            self.buckets.append((owner, current))
 
     @torch.no_grad()
     def publish(self) -> None:

@@ -76,12 +76,14 @@ class ParamGatherer:
         members = [p for p in unit.params if p not in self.gathered]
         if not members or id(unit) in self.inflight:
             return
-        by_group: dict[int, list[torch.nn.Parameter]] = {}
+        # one gather per communicator: partition groups over the same ranks (a user's decay / no-decay
+        # groups) share it
+        by_comm: dict[int, tuple] = {}
         for p in members:
-            by_group.setdefault(self.partitions.entry_of[p].group_index, []).append(p)
+            g = self.partitions.group_of(self.partitions.entry_of[p])
+            by_comm.setdefault(id(g.comm), (g, []))[1].append(p)
         launched = []
-        for gi, params in by_group.items():
-            g = self.partitions.groups[gi]
+        for g, params in by_comm.values():
             col_of, cols = {}, 0
             for p in params:
                 col_of[p] = cols
