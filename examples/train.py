@@ -84,6 +84,20 @@ def lm_loss(logits, batch):
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[1].reshape(-1))
 
 
+def engine_config(args) -> dict:
+    """The training config (DeepSpeed-style keys) both examples use."""
+    return {
+        "train_batch_size": args.global_batch,
+        "zero_optimization": {"stage": args.stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": args.max_steps, "warmup_num_steps": max(1, args.max_steps // 10)},
+        },
+        "gradient_clipping": 1.0,
+    }
+
+
 def parse_workers(text: str):
     if "," in text:
         lo, hi = (int(v) for v in text.split(","))
@@ -124,16 +138,7 @@ def main() -> None:
         resources_per_worker={"CPU": args.cpus_per_worker},
     )
     os.environ.setdefault("RAYZERO_THREADS_PER_WORKER", str(args.cpus_per_worker))
-    config = {
-        "train_batch_size": args.global_batch,
-        "zero_optimization": {"stage": args.stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {"total_num_steps": args.max_steps, "warmup_num_steps": max(1, args.max_steps // 10)},
-        },
-        "gradient_clipping": 1.0,
-    }
+    config = engine_config(args)
     context = args.context
     result = rayzero.fit(
         lambda: TinyGPT(context=context),

@@ -84,17 +84,8 @@ def hf_loss(out, batch):
 
 
 def engine_config(args) -> dict:
-    config = {
-        "train_batch_size": args.global_batch,
-        "zero_optimization": {"stage": args.stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
-        "scheduler": {
-            "type": "WarmupCosineLR",
-            "params": {"total_num_steps": args.max_steps, "warmup_num_steps": max(1, args.max_steps // 10)},
-        },
-        "gradient_clipping": 1.0,
-        "expert_parallel": {"enabled": True, "autoep_size": args.ep, "preset_model": "qwen3_moe"},
-    }
+    config = shipped.engine_config(args)
+    config["expert_parallel"] = {"enabled": True, "autoep_size": args.ep, "preset_model": "qwen3_moe"}
     if args.tp > 1:
         config["tensor_parallel"] = {"autotp_size": args.tp}
     return config

@@ -23,7 +23,7 @@ from rayzero.accelerator import get_accelerator
 from rayzero.checkpoint.engine_io import CheckpointIO
 from rayzero.checkpoint.engine_io import load as checkpoint_load
 from rayzero.checkpoint.format import CheckpointError
-from rayzero.comm import Communicator, init_distributed
+from rayzero.comm import init_distributed
 from rayzero.config import Config, ConfigError, OptimizerConfig
 from rayzero.determinism import apply_deterministic_policy
 from rayzero.optim.clip import clip_coefficient, global_grad_norm
@@ -175,8 +175,6 @@ class Engine:
     @staticmethod
     def _plan_topology(cfg: Config, world_size: int) -> ParallelDims:
         tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
-        if tp > 1 and cfg.tensor_parallel.tp_plan is not None and not isinstance(cfg.tensor_parallel.tp_plan, dict):
-            raise ConfigError("tensor_parallel.tp_plan must map module-name patterns to styles")
         try:
             return ParallelDims(world_size, tp=tp, ep=ep)
         except ValueError as e:

@@ -28,6 +28,26 @@ def model_factory():
     return torch.nn.Sequential(torch.nn.Linear(IN, 13), torch.nn.Tanh(), torch.nn.Linear(13, OUT))
 
 
+class MoERegression(torch.nn.Module):
+    """The regression task through a rayzero.moe.MoE layer, for the expert-parallel Ray tests."""
+
+    def __init__(self):
+        super().__init__()
+        from rayzero.moe import MoE
+
+        self.inp = torch.nn.Linear(IN, 16)
+        self.moe = MoE(16, 24, num_experts=4, top_k=2, aux_loss_coef=0.0)
+        self.out = torch.nn.Linear(16, OUT)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h + self.moe(h))
+
+
+def moe_factory():
+    return MoERegression()
+
+
 def mse(out, batch):
     return F.mse_loss(out.float(), batch[1])
 
@@ -38,6 +58,7 @@ CONFIG = {
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
     "gradient_clipping": 1.0,
 }
+MOE_CONFIG = {**CONFIG, "expert_parallel": {"enabled": True, "autoep_size": 2}}
 
 
 def plain_run(rank, world, steps, micro):
@@ -105,7 +126,8 @@ def final_samples(samples_file: str) -> dict[int, list[int]]:
             if worlds.get(r["step"]) != r["world_size"]:
                 per_step[r["step"]] = {}
                 worlds[r["step"]] = r["world_size"]
-            per_step[r["step"]][r["rank"]] = r["ids"]
+            # the ranks of one TP group read the same samples: count each data shard once
+            per_step[r["step"]][r.get("dp_rank", r["rank"])] = r["ids"]
     return {s: sorted(i for ids in ranks.values() for i in ids) for s, ranks in per_step.items()}
 
 
