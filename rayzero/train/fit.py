@@ -17,7 +17,7 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.config import Config, ConfigError
 from rayzero.train.cluster_config import ClusterConfig
 from rayzero.train.metrics import read_metrics
-from rayzero.train.planning import plan_range, skipped_sizes
+from rayzero.train.planning import MicroBatchSizes, StepPlan, plan_range, skipped_sizes
 from rayzero.train.worker import WorkerSpec, train_loop_per_worker
 
 logger = logging.getLogger("rayzero")
@@ -165,15 +165,7 @@ def fit(
     cfg = Config.from_any(config if config is not None else {})
     # the model-parallel layout: tp ranks share one data shard; ep splits the data-parallel ranks further
     tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
-    global_batch = cfg.train_batch_size
-    if global_batch is None:
-        micro = cfg.train_micro_batch_size_per_gpu or 1
-        global_batch = micro * (cfg.gradient_accumulation_steps or 1) * max(1, cluster.min_workers // tp)
-    micro_sizes = cluster.micro_batch_sizes
-    if micro_sizes is None and cfg.train_micro_batch_size_per_gpu:
-        # The config's micro-batch is the largest the user wants; smaller ones that divide are acceptable.
-        micro_sizes = list(range(1, cfg.train_micro_batch_size_per_gpu + 1))
-    plans = plan_range(global_batch, cluster.min_workers, cluster.max_workers, micro_sizes, tp, ep)
+    global_batch, micro_sizes, plans = _plan_run(cfg, cluster)
     skipped = skipped_sizes(cluster.min_workers, cluster.max_workers, tp, ep)
     if tp > 1 and _is_ray_dataset(data):
         raise ConfigError(
@@ -203,7 +195,12 @@ def fit(
     print(format_node_table(nodes), flush=True)
     _check_fits(model, cfg, cluster, nodes)
     for w, plan in plans.items():
-        logger.info("%s", plan.describe())
+        if plan.note:
+            # the user's micro-batch / accumulation do not fit this world size: say what changed and why
+            logger.warning("%s", plan.describe())
+            print(f"[rayzero] {plan.describe()}", flush=True)
+        else:
+            logger.info("%s", plan.describe())
     if skipped:
         note = (f"[rayzero] world sizes {sorted(skipped)} of [{cluster.min_workers}, {cluster.max_workers}] cannot "
                 f"host tp {tp} x ep {ep} and are skipped (a worker group started at one of them stops with a "
@@ -296,37 +293,168 @@ def fit(
     )
 
 
-def model_state_bytes_per_worker(num_params: int, stage: int, world: int, mixed_precision: bool) -> int:
-    """ZeRO model-state memory of one worker for fp32 master weights and AdamW: the plan's memory floor."""
+def _plan_run(cfg: Config, cluster: ClusterConfig) -> tuple[int, list[int] | None, dict[int, StepPlan]]:
+    """The global batch, the acceptable micro-batch sizes the workers get, and the plan of every world size.
+
+    The config's ``train_micro_batch_size_per_gpu`` and ``gradient_accumulation_steps`` are the user's cut:
+    they ride along with the acceptable sizes (``MicroBatchSizes``) so that the driver's plans and every
+    worker's re-plan keep them where they fit the world size, and re-plan them with a note where they do not.
+    """
+    tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
+    micro, accumulation = cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+    global_batch = cfg.train_batch_size
+    if global_batch is None:
+        global_batch = (micro or 1) * (accumulation or 1) * max(1, cluster.min_workers // tp)
+    micro_sizes = cluster.micro_batch_sizes
+    if micro_sizes is None and micro:
+        # The config's micro-batch is the largest the user wants; smaller ones that divide are acceptable.
+        micro_sizes = list(range(1, micro + 1))
+    if micro is not None or accumulation is not None:
+        micro_sizes = MicroBatchSizes(micro_sizes, micro_batch=micro, accumulation=accumulation)
+    plans = plan_range(global_batch, cluster.min_workers, cluster.max_workers, micro_sizes, tp, ep)
+    return global_batch, micro_sizes, plans
+
+
+def model_state_bytes_per_param(stage: int, world: int, mixed_precision: bool, optimizer_bytes: int = 8) -> float:
+    """Model-state bytes one rank holds per trainable parameter it trains: docs/design.md "Memory per rank"
+    (fp32 master, fp32 gradients, AdamW's two fp32 moments = ``optimizer_bytes``).  ``world`` is the number of
+    ranks the parameter's ZeRO partition is split over; stage 3's persistent parameters come on top.
+
+    ======  ===================  ===================
+    stage   fp32 compute         bf16/fp16 compute
+    ======  ===================  ===================
+    0       16                   18
+    1       8 + 16/W             6 + 16/W
+    2       4 + 16/W             2 + 16/W
+    3       16/W (+ persistent)  16/W (+ persistent)
+    ======  ===================  ===================
+    """
     weights = 2 if mixed_precision else 4  # the model's own (compute-dtype) parameters
-    if stage == 0:  # fp32: the parameters are the master; 16-bit: a separate copy
-        per_param = (4 if not mixed_precision else 4 + weights) + 4 + 8
-    elif stage == 1:  # full fp32 local gradients, partitioned master and moments
-        per_param = weights + 4 + (4 + 8) / world
-    elif stage == 2:
-        per_param = weights + (4 + 4 + 8) / world
-    else:
-        per_param = (4 + 4 + 8) / world
-    return int(per_param * num_params)
+    master, grad = 4, 4
+    if stage == 0:  # nothing partitioned; in fp32 the model's parameters are views of the master
+        return (weights if mixed_precision else 0) + master + grad + optimizer_bytes
+    partition = (master + grad + optimizer_bytes) / world  # fp32 master, gradient and moments partitions
+    if stage == 1:
+        return weights + 4 + partition  # + the persistent fp32 local gradient buffer (the whole gradient)
+    if stage == 2:
+        return weights + partition
+    return partition  # stage 3: parameters live only as shards between uses
+
+
+def model_state_bytes_per_worker(
+    num_params: int,
+    stage: int,
+    world: int,
+    mixed_precision: bool,
+    *,
+    persistent_params: int = 0,
+    frozen_params: int = 0,
+    optimizer_bytes: int = 8,
+) -> int:
+    """ZeRO model-state memory of one worker: ``num_params`` trainable parameters partitioned over ``world``
+    ranks (``model_state_bytes_per_param``), plus the compute-dtype copies every rank keeps whole: stage 3's
+    persistent parameters (at most ``stage3_param_persistence_threshold`` elements) and frozen parameters.
+    The plan's memory floor: activations and transient buffers come on top."""
+    weights = 2 if mixed_precision else 4
+    need = model_state_bytes_per_param(stage, world, mixed_precision, optimizer_bytes) * num_params
+    if stage == 3:
+        need += weights * persistent_params
+    return int(round(need + weights * frozen_params))
+
+
+def _optimizer_state_bytes(cfg: Config) -> int:
+    """fp32 optimizer state per parameter: AdamW/Adam 8 (12 with amsgrad), SGD 4 with momentum, else 0."""
+    opt = cfg.optimizer
+    kind = (opt.type if opt is not None else "AdamW").lower()
+    params = opt.params if opt is not None else {}
+    if kind == "sgd":
+        return 4 if params.get("momentum") else 0
+    return 8 + (4 if params.get("amsgrad") else 0)
+
+
+def _expert_params(model: torch.nn.Module) -> set:
+    """The parameters AutoEP splits over ep: rayzero MoE experts (marked) and transformers experts modules."""
+    from rayzero.moe.experts import looks_like_experts
+
+    out = {p for p in model.parameters() if getattr(p, "_rayzero_expert", False)}
+    for module in model.modules():
+        if looks_like_experts(module):
+            out.update(module.parameters())
+    return out
+
+
+def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int) -> tuple[int, int]:
+    """``(bytes, parameters)``: the model-state bytes of one of ``world`` workers and the model's parameter
+    count.  With tensor parallelism every parameter counts 1/tp (AutoTP leaves embeddings and norms whole,
+    so this can only under-count), partitioned over the ``world // tp`` data shards; with expert
+    parallelism the experts count 1/ep more, partitioned over the ``dp // ep`` expert-data-parallel ranks."""
+    tp = cfg.tensor_parallel.autotp_size
+    ep = cfg.expert_parallel.size
+    dp = max(1, world // tp)
+    edp = max(1, dp // ep)
+    stage = cfg.zero_optimization.stage
+    mixed = cfg.compute_dtype != torch.float32
+    threshold = cfg.zero_optimization.stage3_param_persistence_threshold
+    optimizer_bytes = _optimizer_state_bytes(cfg)
+    experts = _expert_params(model) if ep > 1 else set()
+    params = list(dict.fromkeys(model.parameters()))  # tied weights once
+    weights = 2 if mixed else 4
+    need = 0.0
+    for p in params:
+        expert = p in experts
+        held = p.numel() / (tp * ep if expert else tp)  # the elements this rank holds
+        if not p.requires_grad:  # frozen: whole on every rank, in the compute dtype
+            need += weights * held
+            continue
+        need += model_state_bytes_per_param(stage, edp if expert else dp, mixed, optimizer_bytes) * held
+        if stage == 3 and p.numel() <= threshold:  # persistent: whole on every rank between steps too
+            need += weights * held
+    return int(round(need)), sum(p.numel() for p in params)
+
+
+def _model_for_count(model: Any) -> torch.nn.Module | None:
+    """The model itself, or a factory's model built on the meta device (shapes only, nothing allocated);
+    None when a factory cannot be built there."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    try:
+        with torch.device("meta"):
+            built = model()
+    except Exception as e:
+        logger.info("memory check skipped: the model factory could not be built on the meta device (%s: %s)",
+                    type(e).__name__, e)
+        return None
+    return built if isinstance(built, torch.nn.Module) else None
 
 
 def _check_fits(model: Any, cfg: Config, cluster: ClusterConfig, nodes: list[dict]) -> None:
-    """Reject a plan whose model states cannot fit in the memory the nodes' processes may really use."""
-    if not isinstance(model, torch.nn.Module) or not nodes:
-        return  # a factory's size is unknown before a worker builds it
-    n = sum(p.numel() for p in dict.fromkeys(model.parameters()))
-    need = model_state_bytes_per_worker(
-        n, cfg.zero_optimization.stage, cluster.min_workers, cfg.compute_dtype != torch.float32
-    )
+    """Reject a plan whose model states cannot fit in the memory the nodes' processes may really use, at the
+    smallest world size of the range (the largest share per worker).  A factory is built on the meta device to
+    count its parameters."""
+    if not nodes:
+        return
+    counted = _model_for_count(model)
+    if counted is None:
+        return
+    world = cluster.min_workers
+    need, n = model_state_bytes(counted, cfg, world)
+    # memory_total is per device: a node hosts as many workers as it has devices (one on a CPU node)
     biggest = max(r["memory_total"] for r in nodes)
-    total = sum(r["memory_total"] for r in nodes)
-    if need > biggest or need * cluster.min_workers > total:
+    total = sum(r["memory_total"] * max(1, r.get("devices") or 1) for r in nodes)
+    if need > biggest or need * world > total:
         gib = 1 << 30
+        stage = cfg.zero_optimization.stage
+        dtype = str(cfg.compute_dtype).replace("torch.", "")
+        tp = cfg.tensor_parallel.autotp_size
+        ep = cfg.expert_parallel.size
+        layout = f" (tp {tp} x ep {ep})" if tp * ep > 1 else ""
         raise ConfigError(
-            f"the plan cannot fit: {n:,} parameters at ZeRO stage {cfg.zero_optimization.stage} on "
-            f"{cluster.min_workers} worker(s) need {need / gib:.1f} GiB of model state per worker, and the nodes' "
-            f"usable memory is {[round(r['memory_total'] / gib, 1) for r in nodes]} GiB; use a higher ZeRO stage, "
-            "more workers, or bigger nodes"
+            f"the plan cannot fit: {n:,} parameters at ZeRO stage {stage} with {dtype} compute on {world} "
+            f"worker(s){layout} need {need / gib:.1f} GiB of model state per worker ({need:,} bytes, "
+            f"{need / max(n, 1):.2f} bytes per parameter; docs/design.md, Memory per rank), {need * world / gib:.1f} "
+            f"GiB for all {world}, and the nodes' usable memory is "
+            f"{[round(r['memory_total'] / gib, 1) for r in nodes]} GiB (per device on a node with several); use a "
+            "higher ZeRO stage, more workers, or bigger nodes"
         )
 
 
