@@ -33,7 +33,7 @@ from rayzero.optim.loss_scaler import LossScaler
 from rayzero.parallel.slicing import canonical_to_full, splits_of
 from rayzero.parallel.state import ParallelState
 from rayzero.topology import ParallelDims
-from rayzero.zero.partition import Partitions
+from rayzero.zero.partition import USER_GROUP_KEY, Partitions
 from rayzero.zero.stage12 import GradientReducer, WeightPublisher
 from rayzero.zero.init import materialize_frozen
 from rayzero.zero.stage3 import ParamGatherer
@@ -91,6 +91,8 @@ class Engine:
                 f"zero_optimization.stage is {self.stage}: set it to 3 or build the model without zero_init"
             )
         self._broadcast_from_rank0(model)
+        if model_parameters is not None:
+            model_parameters = list(model_parameters)  # read once: it may be a generator
         model_parameters = self._apply_model_parallelism(model, model_parameters, pre_sharded)
         groups = self._param_groups(model, model_parameters)
         names = {}
@@ -155,8 +157,9 @@ class Engine:
         self.optimizer = build_optimizer(
             self._optimizer_config(), [dict(params=[g.master], **g.overrides) for g in self.partitions.groups]
         )
+        user_groups = len(model_parameters) if model_parameters and isinstance(model_parameters[0], dict) else 1
         self.lr_scheduler = build_scheduler(
-            cfg.scheduler, self.optimizer, [g.user_group for g in self.partitions.groups]
+            cfg.scheduler, self.optimizer, [g.user_group for g in self.partitions.groups], user_groups
         )
         self.loss_scaler = LossScaler.from_fp16_config(cfg.fp16)
         self.global_steps = 0
@@ -266,6 +269,8 @@ class Engine:
                 f"{len(missing)} trainable parameter(s) are in no param group; add them to a group or set "
                 "requires_grad=False on them"
             )
+        for gi, g in enumerate(groups):
+            g[USER_GROUP_KEY] = gi  # the user's numbering survives dropping all-frozen groups
         return [g for g in groups if g["params"]]
 
     @torch.no_grad()

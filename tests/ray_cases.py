@@ -126,8 +126,11 @@ def final_samples(samples_file: str) -> dict[int, list[int]]:
             if worlds.get(r["step"]) != r["world_size"]:
                 per_step[r["step"]] = {}
                 worlds[r["step"]] = r["world_size"]
-            # the ranks of one TP group read the same samples: count each data shard once
-            per_step[r["step"]][r.get("dp_rank", r["rank"])] = r["ids"]
+            # the ranks of one TP group read the same samples: count each data shard once, and check it
+            shard = r.get("dp_rank", r["rank"])
+            seen = per_step[r["step"]].get(shard)
+            assert seen is None or seen == r["ids"], f"step {r['step']}: ranks of data shard {shard} read different samples"
+            per_step[r["step"]][shard] = r["ids"]
     return {s: sorted(i for ids in ranks.values() for i in ids) for s, ranks in per_step.items()}
 
 

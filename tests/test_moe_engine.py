@@ -289,3 +289,48 @@ def test_frozen_experts_are_saved_whole_and_resume_at_another_degree(tmp_path):
     loaded = run_distributed(_export_case, 1, ckpt, str(tmp_path / "model.safetensors"))[0]
     for name in experts:
         assert torch.equal(loaded[name], fresh[name]), name
+
+
+def test_scheduler_lists_and_get_lr_follow_the_users_groups():
+    """A user group holding dense parameters and experts is two optimizer groups inside; per-group
+    scheduler lists and get_lr() still count the user's groups, all-frozen groups included."""
+    import rayzero
+    from moe_cases import TinyMoELM
+
+    model = TinyMoELM()
+    model.embed.requires_grad_(False)
+    groups = [
+        {"params": list(model.embed.parameters())},  # all frozen: dropped inside, still counted
+        {"params": [p for n, p in model.named_parameters() if not n.startswith("embed")]},
+    ]
+    engine = rayzero.initialize(model, {
+        "train_micro_batch_size_per_gpu": 1, "steps_per_print": 0,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": [0.0, 0.0], "warmup_max_lr": [1e-4, 1e-3],
+                                                     "warmup_num_steps": 1}},
+    }, model_parameters=(g for g in groups))
+    assert len(engine.optimizer.param_groups) == 2  # the trainable user group: dense and experts
+    assert {g.user_group for g in engine.partitions.groups} == {1}
+    ids = torch.randint(0, 64, (1, 8))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    assert engine.get_lr() == [pytest.approx(1e-3)]
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [pytest.approx(1e-3)] * 2
+    engine.destroy()
+
+
+def _tp_without_ep(rank, world):
+    import rayzero
+    from moe_cases import TinyMoELM
+
+    try:
+        rayzero.initialize(TinyMoELM(), engine_config(1, tp=2, micro=1))
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_tensor_parallel_that_would_cut_nothing_is_an_error():
+    """Whole experts (no expert_parallel to cut them over TP) and no linear AutoTP knows: TP would only
+    duplicate work, so it is refused instead of silently halving the data-parallel size."""
+    msg = run_distributed(_tp_without_ep, 2)[0]
+    assert msg.startswith("ConfigError") and "tp_plan" in msg, msg

@@ -290,19 +290,23 @@ def resolve_scheduler(cfg: SchedulerConfig) -> tuple[type[_ClosedFormScheduler],
 
 
 def build_scheduler(
-    cfg: SchedulerConfig | None, optimizer: torch.optim.Optimizer, user_group_of: list[int] | None = None
+    cfg: SchedulerConfig | None,
+    optimizer: torch.optim.Optimizer,
+    user_group_of: list[int] | None = None,
+    user_groups: int | None = None,
 ) -> LRScheduler | None:
     """The configured scheduler over `optimizer` (which it sets to the step-0 lr), or None.
 
     ``user_group_of[i]`` is the user's param group that optimizer group ``i`` belongs to (rayzero splits a
     user's group by reduction domain, e.g. dense parameters and experts): per-group lists in the config
-    are per user group and are spread over the optimizer groups here.
+    are per user group (``user_groups`` of them, all-frozen ones included) and are spread over the
+    optimizer groups here.
     """
     if cfg is None:
         return None
     cls, kwargs = resolve_scheduler(cfg)
     if user_group_of is not None:
-        users = len(set(user_group_of))
+        users = user_groups if user_groups is not None else len(set(user_group_of))
         for name, value in kwargs.items():
             if isinstance(value, (list, tuple)):
                 if len(value) != users:

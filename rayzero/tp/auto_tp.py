@@ -53,7 +53,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rayzero.config import ConfigError
-from rayzero.parallel.slicing import SplitSpec, mark_split, take_slice
+from rayzero.parallel.slicing import SplitSpec, mark_split, splits_of, take_slice
 from rayzero.tp.regions import copy_to_tp, reduce_from_tp
 
 __all__ = ["apply_auto_tp", "FALLBACK_COLWISE", "FALLBACK_ROWWISE"]
@@ -325,8 +325,12 @@ def apply_auto_tp(model: nn.Module, tp_group, tp_size: int, tp_rank: int, plan: 
         targets, tried, expert_matched = _resolve_plan(model, hf, prefix, user=False)
     else:
         source = "name patterns"
-        # experts (cut over TP by AutoEP, or by a rayzero MoE layer's shard_experts) count as handled
-        experts = any(getattr(p, "_rayzero_expert", False) for p in model.parameters())
+        # experts already cut over TP (by AutoEP, or a rayzero MoE layer's shard_experts: both run before
+        # AutoTP) count as handled; experts that stay whole do not, or TP would silently do nothing
+        experts = any(
+            getattr(p, "_rayzero_expert", False) and any(s.axis == "tp" for s in splits_of(p))
+            for p in model.parameters()
+        )
         targets, expert_matched = _fallback_targets(model), experts
         tried = [f"*.{n} (colwise)" for n in FALLBACK_COLWISE] + [f"*.{n} (rowwise)" for n in FALLBACK_ROWWISE]
 

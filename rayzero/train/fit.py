@@ -175,8 +175,9 @@ def fit(
         )
     if zero_init and (tp > 1 or cfg.expert_parallel.enabled):
         raise ConfigError(
-            "zero_init=True cannot be combined with expert_parallel or tensor_parallel: AutoEP/AutoTP slice the "
-            "whole model each rank builds; leave zero_init unset (each rank then keeps only its slices)"
+            "zero_init=True is not used with expert_parallel or tensor_parallel in fit: the engine would gather "
+            "the zero_init shards to cut the EP/TP slices, so it saves no memory there; leave zero_init unset "
+            "(each rank builds the model, then keeps only its slices)"
         )
     if max_steps < 1:
         raise ConfigError(f"max_steps must be >= 1, got {max_steps}")

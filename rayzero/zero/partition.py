@@ -36,6 +36,10 @@ class GroupPartition:
         return self.domain.comm.rank if self.layout.world > 1 else 0
 
 
+# set on a param group by the engine: its index in the groups the user gave (all-frozen groups are dropped)
+USER_GROUP_KEY = "_rayzero_user_group"
+
+
 def single_domain(comm: Communicator) -> Callable[[torch.Tensor], ReduceDomain]:
     """Every parameter reduced over ``comm`` (plain data parallelism)."""
     domain = ReduceDomain("dense", comm, True)
@@ -65,12 +69,13 @@ class Partitions:
         self.partitioned = partitioned
         self.groups: list[GroupPartition] = []
         self.entry_of: dict[torch.nn.Parameter, ParamEntry] = {}
-        for ui, group in enumerate(param_groups):
+        for position, group in enumerate(param_groups):
+            ui = group.get(USER_GROUP_KEY, position)
             by_domain: dict[str, tuple[ReduceDomain, list]] = {}
             for p in group["params"]:
                 d = domain_of(p)
                 by_domain.setdefault(d.kind, (d, []))[1].append(p)
-            overrides = {k: v for k, v in group.items() if k != "params"}
+            overrides = {k: v for k, v in group.items() if k not in ("params", USER_GROUP_KEY)}
             for domain, params in by_domain.values():
                 gi = len(self.groups)
                 # Stage 0 lays every group out over a world of one: the rank owns the whole group.
