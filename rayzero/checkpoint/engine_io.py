@@ -34,17 +34,15 @@ from rayzero.checkpoint.format import (
     parse_manifest,
 )
 from rayzero.checkpoint.storage import Storage
-from rayzero.parallel.slicing import (
-    canonical_to_full,
-    from_layout_dicts,
-    full_shape_of,
-    slice_index,
-    splits_of,
-    layout_dicts,
-    local_shape_of,
-    local_slice,
-    order_key,
+from rayzero.checkpoint.optimizer_load import (
+    STATE_STARTS_AT_ZERO,
+    STATE_USED_WHEN,
+    check_new_params_can_start_fresh,
+    group_hparams,
+    warn_hparam_differences,
 )
+from rayzero.checkpoint.slices import prod, slice_filler
+from rayzero.parallel.slicing import full_shape_of, layout_dicts, slice_index, splits_of
 from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_dir, write_rank
 
 if TYPE_CHECKING:
@@ -191,20 +189,6 @@ def _jsonable(value: Any, where: str) -> Any:
         raise CheckpointError(f"{where} must be JSON-serializable (no pickle in checkpoints): {e}") from None
 
 
-def _group_hparams(group: dict) -> dict:
-    out = {}
-    for k, v in group.items():
-        if k == "params":
-            continue
-        if torch.is_tensor(v):
-            v = v.item()
-        if isinstance(v, tuple):
-            v = list(v)
-        if isinstance(v, (int, float, str, bool, list)) or v is None:
-            out[k] = v
-    return out
-
-
 def build_manifest(engine: "Engine", tag: str, client_state: Any) -> dict:
     """Everything but the per-rank parts (``rng``, ``files``), which the commit adds from the markers."""
     names_of: dict[int, list[str]] = {}
@@ -218,7 +202,7 @@ def build_manifest(engine: "Engine", tag: str, client_state: Any) -> dict:
                 "aliases": [n for n in names_of.get(id(p), []) if n != e.name],
                 "shape": list(e.full_shape),
                 "dtype": dtype_name(p.dtype),
-                "numel": _prod(e.full_shape),
+                "numel": prod(e.full_shape),
                 "group": gi,
                 "kind": g.domain.kind,
             }
@@ -248,7 +232,7 @@ def build_manifest(engine: "Engine", tag: str, client_state: Any) -> dict:
     scalar = _scalar_states(engine)
     groups = []
     for gi, (g, group) in enumerate(zip(engine.partitions.groups, engine.optimizer.param_groups)):
-        groups.append({"params": [e.name for e in g.layout.entries], **_group_hparams(group), "state": scalar[gi]})
+        groups.append({"params": [e.name for e in g.layout.entries], **group_hparams(group), "state": scalar[gi]})
     cfg = engine.config
     return {
         "format": FORMAT_NAME,
@@ -471,141 +455,6 @@ def _check_model(engine: "Engine", manifest: dict, strict: bool) -> tuple[set[st
     return loadable, problems
 
 
-def _slice_filler(index: FragmentIndex, saved: dict, entry):
-    """How to read elements ``[lo, hi)`` of this rank's slice of a parameter from the checkpoint.
-
-    Where the saved slicing orders the full tensor like this rank's (always without TP, and for any EP
-    degree on stacked experts) that is a plain range read at the slice's canonical offset.  Otherwise (a
-    TP degree change on a column-cut weight) the full tensor is rebuilt from the saved slices once per
-    state and this rank's slice cut out of it.
-    """
-    saved_splits = from_layout_dicts(saved.get("splits", []))
-    offset = entry.canonical_offset
-    if order_key(saved_splits) == order_key(entry.splits):
-        return lambda name, state, lo, hi, out: index.fill(name, state, offset + lo, offset + hi, out)
-
-    def fill(name: str, state: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        flat = torch.empty(saved["numel"], dtype=out.dtype)
-        index.fill(name, state, 0, saved["numel"], flat)
-        full = canonical_to_full(flat, local_shape_of(saved["shape"], saved_splits), saved_splits)
-        out.copy_(local_slice(full, entry.splits).reshape(-1)[lo:hi])
-
-    return fill
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-# Param-group keys that are not the config's hyper-parameters: torch's bookkeeping, and the lr when a
-# scheduler sets it (the scheduler's own state says where in the schedule the run is).
-_NOT_HPARAMS = ("params", "state", "param_names", "initial_lr")
-
-# Optimizer states a torch optimizer keeps only under some settings: with the config's settings winning,
-# a state the checkpoint has but the config turned off is dropped, and one the config turned on starts
-# as torch starts it (zeros: amsgrad's running maximum of exp_avg_sq).
-_STATE_USED_WHEN = {
-    "max_exp_avg_sq": lambda group: bool(group.get("amsgrad", False)),
-    "momentum_buffer": lambda group: group.get("momentum", 0) != 0,
-}
-_STATE_STARTS_AT_ZERO = ("max_exp_avg_sq",)
-
-
-def _saved_groups_of(g, loadable: set[str], saved_params: dict, saved_group_of: dict) -> list[dict]:
-    """The checkpoint's optimizer groups that this partition group's loaded parameters came from."""
-    out: dict[int, dict] = {}
-    for e in g.layout.entries:
-        if e.name in loadable:
-            saved = saved_group_of.get(saved_params[e.name]["name"])
-            if saved is not None:
-                out.setdefault(id(saved), saved)
-    return list(out.values())
-
-
-def _names_summary(names: list[str], most: int = 4) -> str:
-    shown = ", ".join(names[:most])
-    return shown + (f", +{len(names) - most} more" if len(names) > most else "")
-
-
-def _warn_hparam_differences(engine: "Engine", loadable: set[str], saved_params: dict, saved_group_of: dict) -> None:
-    """Log once (rank 0) which of the checkpoint's param-group hyper-parameters differ from the config's.
-
-    Compared per optimizer group (a user param group can be several: dense and expert partitions) and
-    reported per user param group, naming its parameters; a value that differs only in some of a user
-    group's partitions is tagged with their kinds."""
-    skip = set(_NOT_HPARAMS) | ({"lr"} if engine.lr_scheduler is not None else set())
-    # user group -> key -> (saved, now) -> partition kinds
-    found: dict[int, dict[str, dict[tuple[str, str], list[str]]]] = {}
-    kinds_of: dict[int, list[str]] = {}
-    names_of: dict[int, list[str]] = {}
-    for g, group in zip(engine.partitions.groups, engine.optimizer.param_groups):
-        kinds_of.setdefault(g.user_group, []).append(g.domain.kind)
-        names_of.setdefault(g.user_group, []).extend(e.name for e in g.layout.entries)
-        now = _group_hparams(group)
-        for saved in _saved_groups_of(g, loadable, saved_params, saved_group_of):
-            for k, v in saved.items():
-                if k in skip or k not in now or v == now[k]:
-                    continue
-                kinds = found.setdefault(g.user_group, {}).setdefault(k, {}).setdefault((repr(v), repr(now[k])), [])
-                if g.domain.kind not in kinds:
-                    kinds.append(g.domain.kind)
-    if not found or engine.rank != 0:
-        return
-    parts = []
-    for u in sorted(found):
-        diffs = []
-        for k, values in found[u].items():
-            for (old, new), kinds in values.items():
-                partial = len(values) > 1 or len(kinds) < len(set(kinds_of[u]))
-                where = f" ({', '.join(kinds)} parameters)" if partial else ""
-                diffs.append(f"{k} saved {old} now {new}{where}")
-        parts.append(f"param group {u} [{_names_summary(names_of[u])}]: " + ", ".join(diffs))
-    logger.warning(
-        "load_checkpoint: the checkpoint's optimizer settings differ from the config, using the config "
-        "(only the optimizer state was restored): %s", "; ".join(parts)
-    )
-
-
-def _check_new_params_can_start_fresh(
-    engine: "Engine", loadable: set[str], saved_params: dict, saved_group_of: dict, state_names: list[str]
-) -> None:
-    """strict=False: refuse a partition group that mixes loaded and new parameters where the new ones
-    cannot get the state a fresh optimizer would give them.
-
-    Within one partition group the optimizer keeps one state for one flat tensor: the new parameters'
-    moments can be zeros (as fresh) but the group's scalar states (Adam's ``step``) are shared, so they
-    would inherit the saved step and Adam's bias correction would be wrong for them.  SGD's zero momentum
-    buffer equals a fresh one (the gradient itself) only without dampening.  A group made only of new
-    parameters starts from an empty state (step 0), which is exact.
-    """
-    bad = []
-    for gi, (g, group) in enumerate(zip(engine.partitions.groups, engine.optimizer.param_groups)):
-        new = [e.name for e in g.layout.entries if e.name not in loadable]
-        if not new or len(new) == len(g.layout.entries):
-            continue
-        reasons = []
-        for saved in _saved_groups_of(g, loadable, saved_params, saved_group_of):
-            for k, info in saved.get("state", {}).items():
-                if info.get("value", 0) != 0:
-                    reasons.append(f"{k} {info['value']:g}")
-        if "momentum_buffer" in state_names and group.get("momentum", 0) != 0 and group.get("dampening", 0) != 0:
-            reasons.append("a momentum buffer with dampening")
-        if reasons:
-            bad.append(f"{sorted(new)} share optimizer group {gi} (param group {g.user_group}) with loaded "
-                       f"parameters, whose saved state has {', '.join(dict.fromkeys(reasons))}")
-    if bad:
-        raise CheckpointError(
-            "strict=False cannot give the parameters it does not load (new, or of another shape) a fresh "
-            "optimizer state: " + "; ".join(bad) + ". The optimizer keeps one step count per group, so they "
-            "would resume at the saved step instead of 0. Put the new parameters in a param group of their own, e.g. "
-            "rayzero.initialize(model, config, model_parameters=[{'params': loaded_params}, "
-            "{'params': new_params}]); a group of only new parameters starts at step 0"
-        )
-
-
 @torch.no_grad()
 def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tuple[Any, list[str]]:
     storage = Storage.resolve(load_dir)
@@ -626,7 +475,7 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
     state_names = opt["state_names"] if same_optimizer else []
     saved_group_of = {n: g for g in opt["param_groups"] for n in g["params"]}
     if same_optimizer:  # before anything changes: a refused load leaves the engine as it was
-        _check_new_params_can_start_fresh(engine, loadable, saved_params, saved_group_of, state_names)
+        check_new_params_can_start_fresh(engine, loadable, saved_params, saved_group_of, state_names)
     index = FragmentIndex(storage, tag, manifest)
 
     torch_state: dict[int, dict] = {}
@@ -634,7 +483,7 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
         loaded = [e.name in loadable for e in g.layout.entries]
         complete = all(loaded)  # then every element gets overwritten
         new = torch.empty_like if complete else torch.zeros_like
-        names = [n for n in state_names if _STATE_USED_WHEN.get(n, lambda _: True)(group)]
+        names = [n for n in state_names if STATE_USED_WHEN.get(n, lambda _: True)(group)]
         flats = {name: new(g.master) for name in names}
         step_info = None
         for p, e in zip(g.params, g.layout.entries):
@@ -645,7 +494,7 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
             for name, flat in flats.items():  # padding past the owned range stays zero
                 flat[e.partition_offset + hi - lo : e.partition_offset + e.chunk].zero_()
             if hi > lo:
-                fill = _slice_filler(index, saved_params[e.name], e)
+                fill = slice_filler(index, saved_params[e.name], e)
                 fill(saved_name, STATE_MASTER, lo, hi, g.master[e.partition_offset : e.partition_offset + hi - lo])
                 for name, flat in flats.items():
                     fill(saved_name, name, lo, hi, flat[e.partition_offset : e.partition_offset + hi - lo])
@@ -659,12 +508,12 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
                     st[k] = torch.tensor(info["value"], dtype=getattr(torch, info["dtype"]))
                 else:
                     st[k] = int(info["value"]) if info["kind"] == "int" else float(info["value"])
-            for name in _STATE_STARTS_AT_ZERO:  # turned on by the config since the save
-                if name not in st and _STATE_USED_WHEN[name](group) and "step" in st:
+            for name in STATE_STARTS_AT_ZERO:  # turned on by the config since the save
+                if name not in st and STATE_USED_WHEN[name](group) and "step" in st:
                     st[name] = torch.zeros_like(g.master)
             torch_state[gi] = st
     if same_optimizer:
-        _warn_hparam_differences(engine, loadable, saved_params, saved_group_of)
+        warn_hparam_differences(engine, loadable, saved_params, saved_group_of)
         # The config wins: only the state comes from the checkpoint; every group keeps the hyper-parameters
         # (and the fused/foreach/capturable choice) the engine was built with, and the scheduler, if any,
         # sets the lr below.
@@ -680,9 +529,9 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
             flat = torch.empty(t.numel(), dtype=t.dtype)
             splits = splits_of(t)
             if splits or saved_whole.get(name, {}).get("splits"):
-                saved = dict(saved_whole[name], numel=_prod(saved_whole[name]["shape"]))
+                saved = dict(saved_whole[name], numel=prod(saved_whole[name]["shape"]))
                 here = SimpleNamespace(splits=splits, canonical_offset=slice_index(splits) * t.numel())
-                _slice_filler(index, saved, here)(name, STATE_WHOLE, 0, t.numel(), flat)
+                slice_filler(index, saved, here)(name, STATE_WHOLE, 0, t.numel(), flat)
             else:
                 index.fill(name, STATE_WHOLE, 0, t.numel(), flat)
             t.data.copy_(flat.view(t.shape))
