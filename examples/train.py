@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import time
 
 import torch
 import torch.nn.functional as F
 
 import rayzero
+from rayzero.train.cluster_config import STORAGE_ENV, default_storage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "data", "public_domain.txt")
@@ -98,36 +101,178 @@ def engine_config(args) -> dict:
     }
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every flag's default."""
+
+
 def parse_workers(text: str):
-    if "," in text:
-        lo, hi = (int(v) for v in text.split(","))
-        return (lo, hi)
-    return int(text)
+    """``N`` or ``MIN,MAX`` (an elastic range), with ``1 <= MIN <= MAX``."""
+    try:
+        if "," in text:
+            lo, hi = (int(v) for v in text.split(","))
+            value = (lo, hi)
+        else:
+            value = lo = hi = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MIN,MAX (whole numbers)") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: need N >= 1, or MIN,MAX with 1 <= MIN <= MAX")
+    return value
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-steps", type=int, default=60)
-    p.add_argument("--workers", type=parse_workers, default=2, help="N, or MIN,MAX for an elastic run")
-    p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
-    p.add_argument("--storage", default=os.path.abspath("rayzero_runs"), help="local path or pyarrow.fs URI")
-    p.add_argument("--name", default="tiny-gpt")
-    p.add_argument("--resume", action="store_true", help="continue the run called --name from its checkpoint")
-    p.add_argument("--global-batch", type=int, default=12)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--checkpoint-every", type=int, default=20)
-    p.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs each worker reserves (and uses as threads)")
-    args = p.parse_args()
+def _number(kind, low: float, strict: bool):
+    """An argparse type: a ``kind`` number ``> low`` (strict) or ``>= low``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'' if kind is int else ' real'} number") from None
+        if not math.isfinite(value) or (value <= low if strict else value < low):
+            bound = f">= {low + 1:g}" if strict and kind is int else f"{'>' if strict else '>='} {low:g}"
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {bound}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+positive_int = _number(int, 0, strict=True)
+non_negative_int = _number(int, 0, strict=False)
+positive_float = _number(float, 0.0, strict=True)
+
+RUN_STAMP = re.compile(r"-(\d{8}-\d{6})$")  # the suffix a fresh run gets: <name>-YYYYmmdd-HHMMSS
+CHECKPOINT_STEP = re.compile(r"checkpoint_step(\d+)$")
+
+
+def _filesystem(storage: str):
+    """(pyarrow filesystem, root path) for a local path or a pyarrow.fs URI."""
+    import pyarrow.fs
+
+    if "://" in storage:
+        return pyarrow.fs.FileSystem.from_uri(storage)
+    return pyarrow.fs.LocalFileSystem(), os.path.abspath(os.path.expanduser(storage))
+
+
+def latest_checkpoint_step(fs, run_path: str) -> int | None:
+    """The step of the checkpoint Ray Train restores for the run at ``run_path``, or None when it has none.
+
+    Ray Train restores the latest checkpoint listed in the run's ``checkpoint_manager_snapshot.json``.
+    """
+    import json
+
+    import pyarrow.fs
+
+    snapshot = f"{run_path}/checkpoint_manager_snapshot.json"
+    if fs.get_file_info(snapshot).type != pyarrow.fs.FileType.File:
+        return None
+    try:
+        with fs.open_input_stream(snapshot) as f:
+            latest = json.loads(f.read().decode()).get("latest_checkpoint_result") or {}
+    except (OSError, ValueError):
+        return None
+    dir_name = latest.get("checkpoint_dir_name") or ""
+    if fs.get_file_info(f"{run_path}/{dir_name}").type != pyarrow.fs.FileType.Directory:
+        return None
+    step = (latest.get("metrics") or {}).get("step")
+    if isinstance(step, int):
+        return step
+    m = CHECKPOINT_STEP.search(dir_name)
+    return int(m.group(1)) if m else None
+
+
+def find_resumable(storage: str, name: str) -> tuple[str, int] | None:
+    """The run ``--resume --name NAME`` continues, as ``(run name, checkpoint step)``, or None.
+
+    ``NAME`` is a whole run name (``tiny-gpt-20250101-120000``) when that run has a checkpoint; otherwise the
+    latest ``NAME-YYYYmmdd-HHMMSS`` run in ``storage`` that has a checkpoint (runs that stopped before their
+    first checkpoint cannot be resumed and are passed over).
+    """
+    import pyarrow.fs
+
+    fs, root = _filesystem(storage)
+    root = root.rstrip("/") or "/"
+    exact = latest_checkpoint_step(fs, f"{root}/{name}")
+    if exact is not None:
+        return name, exact
+    try:
+        entries = fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True))
+    except OSError:
+        return None
+    stamped = []
+    for info in entries:
+        if info.type != pyarrow.fs.FileType.Directory:
+            continue
+        m = RUN_STAMP.search(info.base_name)
+        if m and info.base_name[: m.start()] == name:
+            stamped.append((m.group(1), info.base_name))
+    for _, run in sorted(stamped, reverse=True):  # the timestamps sort in time order
+        step = latest_checkpoint_step(fs, f"{root}/{run}")
+        if step is not None:
+            return run, step
+    return None
+
+
+def run_path(storage: str, name: str) -> str:
+    """``<storage>/<name>`` as ``rayzero.fit`` names the run directory (a URI keeps its scheme and query)."""
+    if "://" in storage:
+        base, _, query = storage.partition("?")
+        return f"{base.rstrip('/')}/{name}" + (f"?{query}" if query else "")
+    return os.path.join(storage, name)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked: a bad value ends in argparse's one-line error (exit code 2), before Ray starts."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--max-steps", type=positive_int, default=60, help="optimizer steps for the whole run (>= 1)")
+    p.add_argument("--workers", type=parse_workers, default=2, help="N workers, or MIN,MAX for an elastic run")
+    p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage")
+    p.add_argument("--storage", default=default_storage(),
+                   help=f"local path or pyarrow.fs URI for checkpoints and metrics (${STORAGE_ENV} sets the default)")
+    p.add_argument("--name", default="tiny-gpt",
+                   help="run name; a fresh run is stored as NAME-YYYYmmdd-HHMMSS under --storage")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the latest NAME-<timestamp> run in --storage (or the run called exactly NAME) "
+                        "from its latest checkpoint")
+    p.add_argument("--global-batch", type=positive_int, default=12, help="samples per optimizer step, all workers")
+    p.add_argument("--context", type=positive_int, default=64, help="tokens (bytes) per training window")
+    p.add_argument("--lr", type=positive_float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=20,
+                   help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--cpus-per-worker", type=positive_int, default=1,
+                   help="CPUs each worker reserves (and uses as threads)")
+    args = p.parse_args(argv)
+    if "://" not in args.storage:  # a full path: the run directory is printed, and plotted, as one
+        args.storage = os.path.abspath(os.path.expanduser(args.storage))
+    if not args.name or "/" in args.name or args.name in (".", ".."):
+        p.error(f"argument --name: {args.name!r} is not a run name (no '/', not empty)")
+    args.resumed_step = None
+    if args.resume:
+        found = find_resumable(args.storage, args.name)
+        if found is None:
+            p.error(f"argument --resume: no run {args.name!r} or {args.name}-YYYYmmdd-HHMMSS with a checkpoint "
+                    f"in {args.storage}")
+        args.name, args.resumed_step = found
+        if args.resumed_step >= args.max_steps:
+            p.error(f"argument --max-steps: run {args.name!r} is already at step {args.resumed_step}; "
+                    f"give --max-steps above it to continue")
+    else:  # a fresh run gets a fresh directory
+        args.name = f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    run_dir = run_path(args.storage, args.name)
+    if args.resumed_step is not None:
+        print(f"resuming {run_dir} from its checkpoint at step {args.resumed_step}", flush=True)
+    else:
+        print(f"run directory: {run_dir}", flush=True)
 
     text = open(TEXT, "rb").read()
     split = int(len(text) * 0.9)
     train_data, held_out = ByteWindows(text[:split], args.context), ByteWindows(text[split:], args.context)
     name = args.name
-    if not args.resume:  # a fresh run gets a fresh directory; --resume continues the named one
-        import time
-
-        name = f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     cluster = rayzero.ClusterConfig(
         workers=args.workers,
         storage=args.storage,
@@ -150,6 +295,8 @@ def main() -> None:
         seed=0,
     )
     losses = result.losses
+    if args.resumed_step is not None:
+        print(f"resumed from step {args.resumed_step}")
     print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} over {len(losses)} steps, world sizes {result.world_sizes}")
 
     # Held-out perplexity with the final weights, on this (driver) process.

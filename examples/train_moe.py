@@ -98,7 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--ep", type=int, default=2, help="expert-parallel size (autoep_size); must divide 4 experts")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (autotp_size)")
     p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2], help="ZeRO stage")
-    p.add_argument("--storage", default=os.path.abspath("rayzero_runs"), help="local path or pyarrow.fs URI")
+    p.add_argument("--storage", default=shipped.default_storage(),
+                   help="local path or pyarrow.fs URI (default: $RAYZERO_STORAGE, else ~/rayzero_runs)")
     p.add_argument("--name", default="tiny-moe")
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--context", type=int, default=64)

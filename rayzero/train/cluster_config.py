@@ -8,12 +8,27 @@ from typing import Any, Mapping
 
 from rayzero.config import ConfigError, did_you_mean
 
+STORAGE_ENV = "RAYZERO_STORAGE"
+
+
+def default_storage() -> str:
+    """``$RAYZERO_STORAGE`` if set, else ``~/rayzero_runs``: an absolute path that outlives the process.
+
+    A relative default would land in the current directory, which for ``ray job submit --working-dir .`` is
+    Ray's temporary copy of the working directory, deleted after the job.
+    """
+    env = os.environ.get(STORAGE_ENV, "").strip()
+    if env:
+        return env if "://" in env else os.path.abspath(os.path.expanduser(env))
+    return os.path.join(os.path.expanduser("~"), "rayzero_runs")
+
 
 @dataclass
 class ClusterConfig:
     """``workers``: an int, or ``(min, max)`` for an elastic run that grows and shrinks with the cluster.
 
-    ``storage``: a local path or pyarrow.fs URI for checkpoints and metrics (default ``./rayzero_runs``).
+    ``storage``: a local path or pyarrow.fs URI for checkpoints and metrics (default
+    ``$RAYZERO_STORAGE``, else ``~/rayzero_runs``: see :func:`default_storage`).
     ``checkpoint_every``: steps between checkpoints (0: only at the end).  ``address``: a Ray cluster to
     join; without it rayzero joins ``RAY_ADDRESS`` or a running cluster, else starts a local one.
     """
@@ -21,7 +36,7 @@ class ClusterConfig:
     workers: int | tuple[int, int] = 1
     use_gpu: bool = False
     resources_per_worker: dict = field(default_factory=lambda: {"CPU": 1})
-    storage: str = "./rayzero_runs"
+    storage: str = field(default_factory=default_storage)
     name: str | None = None
     max_failures: int = 3
     checkpoint_every: int = 50
