@@ -117,3 +117,19 @@ def async_vs_sync(rank, world, stage, sync_dir, async_dir):
     engine.save_checkpoint(sync_dir, tag="later")  # waits for the async save first
     engine.destroy()
     return True
+
+
+class TiedLM(torch.nn.Module):
+    """An embedding and an output head sharing one weight, plus a buffer: the model of the checkpoint-tool
+    tests and of docs/checkpoint_format.md (a tied 11x6 embedding, a LayerNorm, a 2-element buffer)."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.ln = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        self.register_buffer("scale", torch.tensor([0.5, 2.0]))
+
+    def forward(self, idx):
+        return self.head(self.ln(self.wte(idx)) * self.scale[0])

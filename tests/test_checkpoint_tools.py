@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import rayzero
+from ckpt_cases import TiedLM
 from distributed import run_distributed
 from rayzero.checkpoint.format import CheckpointError, FragmentFile
 from rayzero.checkpoint.tools import export, format_inspect, inspect, verify
@@ -24,21 +25,6 @@ def make_mlp() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5), torch.nn.BatchNorm1d(5)
     )
-
-
-class TiedLM(torch.nn.Module):
-    """An embedding and an output head sharing one weight, plus a buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte = torch.nn.Embedding(VOCAB, DIM)
-        self.ln = torch.nn.LayerNorm(DIM)
-        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.wte.weight
-        self.register_buffer("scale", torch.tensor([0.5, 2.0]))
-
-    def forward(self, idx):
-        return self.head(self.ln(self.wte(idx)) * self.scale[0])
 
 
 def make_tied() -> torch.nn.Module:

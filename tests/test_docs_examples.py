@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import rayzero
+from ckpt_cases import TiedLM
 from rayzero.checkpoint.tools import export
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,21 +73,6 @@ def run(code: str, where: str, namespace: dict | None = None) -> dict:
 
 
 # ---- models --------------------------------------------------------------------------------------------
-class TiedLM(torch.nn.Module):
-    """The model docs/checkpoint_format.md describes: a tied 11x6 embedding, a LayerNorm, a 2-element buffer."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte = torch.nn.Embedding(VOCAB, DIM)
-        self.ln = torch.nn.LayerNorm(DIM)
-        self.head = torch.nn.Linear(DIM, VOCAB, bias=False)
-        self.head.weight = self.wte.weight
-        self.register_buffer("scale", torch.tensor([0.5, 2.0]))
-
-    def forward(self, idx):
-        return self.head(self.ln(self.wte(idx)) * self.scale[0])
-
-
 class Mixed(torch.nn.Module):
     """Whole tensors in the dtypes the pyarrow reader must convert: bf16, int64, and a zero-element one."""
 
