@@ -201,11 +201,9 @@ class _Section:
 
 
 _ZERO_NOT_SUPPORTED = {
-    "offload_optimizer": "optimizer state offload",
-    "offload_param": "parameter offload",
-    "cpu_offload": "optimizer state offload (old spelling)",
-    "cpu_offload_param": "parameter offload (old spelling)",
-    "cpu_offload_use_pin_memory": "offload",
+    "cpu_offload": "an old spelling: write \"offload_optimizer\": {\"device\": \"cpu\"}",
+    "cpu_offload_param": "an old spelling: write \"offload_param\": {\"device\": \"cpu\"}",
+    "cpu_offload_use_pin_memory": "an old spelling: write \"pin_memory\" inside offload_optimizer / offload_param",
     "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
     "zero_quantized_weights": "ZeRO++ quantized weights",
     "zero_quantized_nontrainable_weights": "ZeRO++ quantized weights",
@@ -213,7 +211,6 @@ _ZERO_NOT_SUPPORTED = {
     "zeropp_loco_param": "ZeRO++ LoCo",
     "mics_shard_size": "MiCS",
     "mics_hierarchical_params_gather": "MiCS",
-    "sub_group_size": "",
     "stage3_max_live_parameters": "",
     "max_live_parameters": "",
     "stage3_max_reuse_distance": "",
@@ -240,6 +237,96 @@ _ZERO_NOT_SUPPORTED = {
 }
 
 
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+@dataclass
+class OffloadOptimizerConfig(_Section):
+    """`zero_optimization.offload_optimizer`: where the fp32 master partitions and optimizer state live.
+
+    ``cpu`` keeps them (and the fp32 gradient accumulator) in host memory; ``nvme`` keeps them in files
+    under ``nvme_path`` and brings one sub-group (``sub_group_size`` elements) at a time into memory to
+    step it; ``auto`` lets ``rayzero.fit`` pick ``none`` or ``nvme`` from the memory the workers may use.
+    """
+
+    _path: ClassVar[str] = "zero_optimization.offload_optimizer"
+    _not_supported: ClassVar[Mapping[str, str]] = {
+        "ratio": "partial optimizer offload", "fast_init": "", "pipeline": "", "pipeline_read": "",
+        "pipeline_write": "",
+    }
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+
+    def _validate(self) -> None:
+        self._check("device", self.device in (*OFFLOAD_DEVICES, "auto"), "must be 'none', 'cpu', 'nvme' or 'auto'")
+        self._check("buffer_count", self.buffer_count >= 2,
+                    "must be >= 2 (one sub-group being stepped while the next one is read)")
+        if self.device == "nvme" and not self.nvme_path:
+            raise ConfigError(
+                "config key 'zero_optimization.offload_optimizer.device' is 'nvme' but 'nvme_path' is not set; "
+                "set 'nvme_path' to a directory on a local disk (its free space is checked before training)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.device in ("cpu", "nvme")
+
+
+@dataclass
+class OffloadParamConfig(_Section):
+    """`zero_optimization.offload_param` (stage 3): where the parameter partitions live between uses."""
+
+    _path: ClassVar[str] = "zero_optimization.offload_param"
+    _not_supported: ClassVar[Mapping[str, str]] = {"pipeline": "", "pipeline_read": "", "pipeline_write": ""}
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+    def _validate(self) -> None:
+        self._check("device", self.device in OFFLOAD_DEVICES, "must be 'none', 'cpu' or 'nvme'")
+        self._check("buffer_count", self.buffer_count >= 1, "must be >= 1")
+        self._check("buffer_size", self.buffer_size > 0, "must be > 0 elements")
+        self._check("max_in_cpu", self.max_in_cpu >= 0, "must be >= 0 elements")
+        if self.device == "nvme" and not self.nvme_path:
+            raise ConfigError(
+                "config key 'zero_optimization.offload_param.device' is 'nvme' but 'nvme_path' is not set; "
+                "set 'nvme_path' to a directory on a local disk"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.device in ("cpu", "nvme")
+
+
+@dataclass
+class AioConfig(_Section):
+    """`aio`: how the NVMe swap store does its I/O (O_DIRECT, block-aligned, on a thread pool)."""
+
+    _path: ClassVar[str] = "aio"
+    _not_supported: ClassVar[Mapping[str, str]] = {"use_gds": "GPUDirect Storage"}
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    thread_count: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+    intra_op_parallelism: int = 1
+
+    def _validate(self) -> None:
+        self._check("block_size", self.block_size >= 4096 and self.block_size % 4096 == 0,
+                    "must be a positive multiple of 4096 bytes (the O_DIRECT alignment)")
+        self._check("queue_depth", self.queue_depth >= 1, "must be >= 1")
+        self._check("thread_count", self.thread_count >= 1, "must be >= 1")
+        self._check("intra_op_parallelism", self.intra_op_parallelism >= 1, "must be >= 1")
+
+
 @dataclass
 class ZeroConfig(_Section):
     """`zero_optimization`: which state is partitioned and how communication is bucketed (elements)."""
@@ -262,9 +349,23 @@ class ZeroConfig(_Section):
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
 
     def _validate(self) -> None:
         self._check("stage", 0 <= self.stage <= 3, "ZeRO stage must be 0, 1, 2 or 3")
+        self._check("sub_group_size", self.sub_group_size > 0, "must be > 0 elements")
+        if self.offload_optimizer.device != "none" and self.stage == 0:
+            raise ConfigError(
+                "config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0): "
+                "set zero_optimization.stage to 1 or more, or remove offload_optimizer"
+            )
+        if self.offload_param.device != "none" and self.stage != 3:
+            raise ConfigError(
+                f"config key 'zero_optimization.offload_param' needs ZeRO stage 3 (stage is {self.stage}): "
+                "set zero_optimization.stage to 3, or use offload_optimizer for stages 1 and 2"
+            )
         self._check("reduce_bucket_size", self.reduce_bucket_size > 0, "must be > 0 elements")
         self._check("allgather_bucket_size", self.allgather_bucket_size > 0, "must be > 0 elements")
         self._check("stage3_prefetch_bucket_size", self.stage3_prefetch_bucket_size >= 0,
@@ -401,7 +502,7 @@ _TOP_NOT_SUPPORTED = {
     key: ""
     for key in (
         "moe", "activation_checkpointing", "flops_profiler", "compression_training",
-        "data_efficiency", "aio", "amp", "pipeline", "sparse_attention", "checkpoint", "elasticity",
+        "data_efficiency", "amp", "pipeline", "sparse_attention", "checkpoint", "elasticity",
         "comms_logger", "autotuning", "curriculum_learning", "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer", "fp8", "graph_harvesting", "compile", "data_types", "dump_state",
         "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "memory_breakdown",
@@ -446,6 +547,7 @@ class Config(_Section):
     wall_clock_breakdown: bool = False
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
 
     def _validate(self) -> None:
         for name in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):

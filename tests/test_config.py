@@ -136,10 +136,12 @@ def test_unknown_key_without_close_match_lists_known():
         ({"tensorboard": {"enabled": False}}, "tensorboard"),
         ({"prescale_gradients": False}, "prescale_gradients"),
         ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
-        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "zero_optimization.offload_optimizer"),
+        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+         "zero_optimization.offload_optimizer.ratio"),
+        ({"aio": {"use_gds": True}}, "aio.use_gds"),
         ({"zero_optimization": {"stage3_max_live_parameters": 1e9}}, "zero_optimization.stage3_max_live_parameters"),
         ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
-        ({"zero_optimization": {"sub_group_size": 1e9}}, "zero_optimization.sub_group_size"),
+        ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload"),
         ({"zero_optimization": {"round_robin_gradients": True}}, "zero_optimization.round_robin_gradients"),
         ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
         ({"optimizer": {"type": "Lamb"}}, "optimizer.type"),
@@ -545,3 +547,42 @@ def test_scheduler_state_dict_round_trip():
         warnings.simplefilter("error")  # loading must not trip torch's call-order warnings
         again.load_state_dict(state)
     assert again.get_last_lr() == pytest.approx(warm.get_last_lr())
+
+
+def test_offload_sections():
+    cfg = Config.from_any({
+        "zero_optimization": {
+            "stage": 3, "sub_group_size": 1e6,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 4},
+            "offload_param": {"device": "cpu", "buffer_count": 5, "buffer_size": 1e8, "max_in_cpu": 1e9},
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 2, "single_submit": False},
+    })
+    z = cfg.zero_optimization
+    assert (z.sub_group_size, z.offload_optimizer.device, z.offload_optimizer.nvme_path) == (1_000_000, "nvme", "/local_nvme")
+    assert z.offload_optimizer.enabled and z.offload_param.enabled and z.offload_param.buffer_size == 100_000_000
+    assert cfg.aio.thread_count == 2
+    assert Config.from_any(cfg.to_dict()) == cfg
+    assert not Config.from_any({}).zero_optimization.offload_optimizer.enabled
+
+
+@pytest.mark.parametrize(
+    "zero, message",
+    [
+        ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "needs ZeRO stage 1, 2 or 3"),
+        ({"stage": 2, "offload_param": {"device": "cpu"}}, "needs ZeRO stage 3 \\(stage is 2\\)"),
+        ({"stage": 2, "offload_optimizer": {"device": "nvme"}}, "'nvme_path' is not set"),
+        ({"stage": 3, "offload_param": {"device": "nvme"}}, "'nvme_path' is not set"),
+        ({"stage": 2, "offload_optimizer": {"device": "disk"}}, "must be 'none', 'cpu', 'nvme' or 'auto'"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 1}}, "buffer_count"),
+        ({"stage": 2, "sub_group_size": 0}, "sub_group_size"),
+    ],
+)
+def test_offload_config_errors(zero, message):
+    with pytest.raises(ConfigError, match=message):
+        Config.from_any({"zero_optimization": zero})
+
+
+def test_aio_block_size_must_be_aligned():
+    with pytest.raises(ConfigError, match="multiple of 4096"):
+        Config.from_any({"aio": {"block_size": 1000}})

@@ -21,6 +21,14 @@ class GroupPartition:
     domain: ReduceDomain  # where these parameters' gradients are reduced (DP, EDP, ...), see parallel/state.py
     user_group: int = 0  # the user's param group this partition group belongs to
     overrides: dict = field(default_factory=dict)  # the user's per-group hyper-parameters
+    # Where published / gathered weights are read from when the master is not resident (NVMe offload
+    # swaps it out between steps): a copy in the compute dtype kept on the compute device.  None: the
+    # master itself is the source (no second copy).
+    weights: torch.Tensor | None = None
+
+    @property
+    def weight_source(self) -> torch.Tensor:
+        return self.weights if self.weights is not None else self.master
 
     @property
     def comm(self) -> Communicator:
@@ -38,6 +46,23 @@ class GroupPartition:
 
 # set on a param group by the engine: its index in the groups the user gave (all-frozen groups are dropped)
 USER_GROUP_KEY = "_rayzero_user_group"
+
+
+def _sub_groups(params: list, world: int, limit: int | None) -> list[list]:
+    """Consecutive runs of ``params`` whose partitions hold at most ``limit`` elements each (a larger
+    parameter is a run of its own): the unit the optimizer steps and offload swaps (``sub_group_size``)."""
+    if not limit:
+        return [params]
+    runs: list[list] = [[]]
+    size = 0
+    for p in params:
+        chunk = -(-p.numel() // world)
+        if runs[-1] and size + chunk > limit:
+            runs.append([])
+            size = 0
+        runs[-1].append(p)
+        size += chunk
+    return runs
 
 
 def single_domain(comm: Communicator) -> Callable[[torch.Tensor], ReduceDomain]:
@@ -61,11 +86,16 @@ class Partitions:
         domain_of: Callable[[torch.Tensor], ReduceDomain] | Communicator,
         partitioned: bool,
         device: torch.device | None = None,
+        sub_group_size: int | None = None,
+        state_device: torch.device | None = None,
+        pin_memory: bool = False,
     ):
         if isinstance(domain_of, Communicator):
             domain_of = single_domain(domain_of)
-        # Partitions live where the model computes (the accelerator), masters included.
+        # Partitions live where the model computes (the accelerator), masters included, unless the
+        # optimizer is offloaded: then the masters and gradient accumulators live on ``state_device``.
         self.device = device if device is not None else torch.device("cpu")
+        self.state_device = state_device if state_device is not None else self.device
         self.partitioned = partitioned
         self.groups: list[GroupPartition] = []
         self.entry_of: dict[torch.nn.Parameter, ParamEntry] = {}
@@ -77,15 +107,20 @@ class Partitions:
                 by_domain.setdefault(d.kind, (d, []))[1].append(p)
             overrides = {k: v for k, v in group.items() if k not in ("params", USER_GROUP_KEY)}
             for domain, params in by_domain.values():
-                gi = len(self.groups)
                 # Stage 0 lays every group out over a world of one: the rank owns the whole group.
                 world = domain.comm.world if partitioned else 1
-                layout = GroupLayout.build(gi, [(names[p], p) for p in params], world)
-                master = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.device)
-                grad = torch.zeros(layout.partition_numel, dtype=torch.float32, device=self.device)
-                self.groups.append(GroupPartition(layout, params, master, grad, domain, ui, dict(overrides)))
-                for p, e in zip(params, layout.entries):
-                    self.entry_of[p] = e
+                for run in _sub_groups(params, world, sub_group_size):
+                    gi = len(self.groups)
+                    layout = GroupLayout.build(gi, [(names[p], p) for p in run], world)
+                    master = self._zeros(layout.partition_numel, pin_memory)
+                    grad = self._zeros(layout.partition_numel, pin_memory)
+                    self.groups.append(GroupPartition(layout, run, master, grad, domain, ui, dict(overrides)))
+                    for p, e in zip(run, layout.entries):
+                        self.entry_of[p] = e
+
+    def _zeros(self, numel: int, pin_memory: bool) -> torch.Tensor:
+        t = torch.zeros(numel, dtype=torch.float32, device=self.state_device)
+        return t.pin_memory() if pin_memory and self.state_device.type == "cpu" else t
 
     def all_params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.groups for p in g.params]
@@ -95,6 +130,10 @@ class Partitions:
 
     def master_shard(self, entry: ParamEntry) -> torch.Tensor:
         return self.group_of(entry).master[entry.partition_offset : entry.partition_offset + entry.chunk]
+
+    def weight_shard(self, entry: ParamEntry) -> torch.Tensor:
+        """This rank's shard of a parameter's current weights, read by publishing and stage-3 gathers."""
+        return self.group_of(entry).weight_source[entry.partition_offset : entry.partition_offset + entry.chunk]
 
     def grad_shard(self, entry: ParamEntry) -> torch.Tensor:
         return self.group_of(entry).grad[entry.partition_offset : entry.partition_offset + entry.chunk]

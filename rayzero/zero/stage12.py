@@ -285,13 +285,13 @@ class WeightPublisher:
             world = g.world
             if world == 1:
                 for e, p in members:
-                    p.data.view(-1).copy_(self.partitions.master_shard(e)[: e.numel])
+                    p.data.view(-1).copy_(self.partitions.weight_shard(e)[: e.numel])
                 continue
             cols = sum(e.chunk for e, _ in members)
             mine = torch.empty(cols, dtype=self.compute_dtype, device=device)
             col = 0
             for e, _ in members:
-                mine[col : col + e.chunk].copy_(self.partitions.master_shard(e))
+                mine[col : col + e.chunk].copy_(self.partitions.weight_shard(e))
                 col += e.chunk
             rows = torch.empty((world, cols), dtype=self.compute_dtype, device=device)
             inflight.append((members, rows, g.comm.all_gather(rows, mine)))

@@ -91,7 +91,7 @@ class ParamGatherer:
             mine = torch.empty(cols, dtype=self.compute_dtype, device=self.partitions.device)
             for p in params:
                 e = self.partitions.entry_of[p]
-                mine[col_of[p] : col_of[p] + e.chunk].copy_(self.partitions.master_shard(e))
+                mine[col_of[p] : col_of[p] + e.chunk].copy_(self.partitions.weight_shard(e))
             rows = torch.empty((g.world, cols), dtype=self.compute_dtype, device=self.partitions.device)
             launched.append((g.comm.all_gather(rows, mine), rows, params, col_of))
         self.inflight[id(unit)] = launched
