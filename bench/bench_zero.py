@@ -3,17 +3,26 @@
     python bench/bench_zero.py                  # full run (a few minutes on 2 cores)
     python bench/bench_zero.py --quick          # tiny model, 3 steps: every code path in seconds
     python bench/bench_zero.py --json out.json  # also write the results as JSON
+    python bench/bench_zero.py --memory         # peak RSS of the timed steps against ZeRO theory, per stage
 
 Every system runs in its own fresh spawn of ``--world`` processes (gloo on 127.0.0.1, one torch thread per
 rank), so peak RSS is per system.  Each rank builds the same model from the same seed and trains on its own
 slice of the same random global batches: forward, MSE loss, backward, gradient clipping at 1.0, AdamW.
 A single process doing one rank's share of the work without any communication gives the compute-only
 baseline; a process that only imported torch gives the runtime baseline for memory.  See bench/README.md.
+
+``--memory`` measures memory instead of speed: every rank runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc
+returns every large ``free`` to the OS, so RSS follows the live tensors), takes its own baseline after the
+runtime is warm and before the model exists, and reports the peak RSS of the timed steps above it against
+the model states of docs/design.md's "Memory per rank" table plus activations plus the configured buckets.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
+import importlib
 import json
 import os
 import pickle
@@ -93,6 +102,117 @@ def reset_hwm() -> bool:
         return True
     except OSError:
         return False
+
+
+def malloc_trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def warm_runtime(kind: str) -> None:
+    """What every system pays before its model exists, paid before the memory baseline is taken: the
+    lazy imports of autograd and of both AdamW kernels (``torch._dynamo`` among them) and the system's
+    own modules."""
+    m = torch.nn.Linear(4, 4)
+    for kw in ({}, {"fused": True}):
+        opt = torch.optim.AdamW(m.parameters(), **kw)
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    modules = {"fsdp2": ["torch.distributed.fsdp", "torch.distributed.device_mesh"],
+               "ddp": ["torch.nn.parallel"], "rayzero": ["rayzero", "rayzero.zero.export"]}
+    for name in modules.get(kind, []):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an older rayzero without it
+            pass
+    del m, opt
+    malloc_trim()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory theory: docs/design.md "Memory per rank" (fp32 compute, AdamW, fp32 gradients in communication)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def design_model_state_bytes(spec: dict, a, world: int, engine=None) -> float:
+    """Steady-state model states per rank: design.md's table (stage 0 16, stage 1 8 + 16/W, stage 2
+    4 + 16/W, stage 3 16/W + the persistent parameters whole, bytes per parameter); DDP 16, FSDP2 16/W."""
+    n = param_count(a.dim, a.hidden, a.blocks)
+    w = world
+    if spec["kind"] == "rayzero":
+        s = spec["stage"]
+        if s == 3:
+            persistent = sum(p.numel() for p in engine.gatherer.persistent) if engine is not None else 0
+            return 16 * n / w + 4 * persistent
+        return {0: 16.0, 1: 8 + 16 / w, 2: 4 + 16 / w}[s] * n
+    if spec["kind"] == "fsdp2":
+        return 16 * n / w
+    return 16.0 * n  # DDP, compute-only
+
+
+def bucket_allowance(spec: dict, a, world: int, model=None, engine=None) -> tuple[float, str]:
+    """Transient buffers the system keeps by design beyond its model states, in bytes, with how."""
+    kind = spec["kind"]
+    if kind == "rayzero":
+        from rayzero.zero.stage12 import GradientReducer, WeightPublisher
+
+        s = engine.stage
+        comm = torch.empty(0, dtype=engine.config.comm_dtype).element_size()
+        compute = torch.empty(0, dtype=engine.compute_dtype).element_size()
+        rb = max((b.group.world * b.cols * comm for b in engine.reducer.buckets), default=0)
+        pb = max((g.world * sum(e.chunk for e, _ in m) * compute for g, m in engine.publisher.buckets), default=0)
+        ub = 0
+        if engine.gatherer is not None:
+            entry = engine.partitions.entry_of
+            ub = max((sum(e.padded_numel for e in (entry[p] for p in u.params)) * compute
+                      for u in engine.gatherer.units), default=0)
+        parts = []
+        backward = 0
+        if s >= 2:  # the bucket filling and MAX_INFLIGHT reduce-scatters in flight
+            k = GradientReducer.MAX_INFLIGHT + 1
+            backward += k * rb
+            parts.append(f"{k} x {rb / MIB:.0f} MiB reduce buckets")
+        if s == 3:  # the unit in use and the prefetched one
+            backward += 2 * ub
+            parts.append(f"2 x {ub / MIB:.0f} MiB gathered units")
+        publish = WeightPublisher.MAX_INFLIGHT * pb if s in (1, 2) else 0
+        if publish > backward:
+            return float(publish), f"{WeightPublisher.MAX_INFLIGHT} x {pb / MIB:.0f} MiB all-gather buckets (step)"
+        return float(backward), " + ".join(parts) if parts else "none (buckets are views of the gradient partition)"
+    n = param_count(a.dim, a.hidden, a.blocks)
+    if kind == "ddp":  # gradient_as_bucket_view=False: DDP's flat buckets are a second copy of the gradients
+        return 4.0 * n, "DDP's buckets: a copy of every gradient"
+    if kind == "fsdp2":
+        block = max(sum(p.numel() for p in b.parameters()) for b in build_model(a.dim, a.hidden, 1)) * 4
+        grads = 2 * block  # unsharded gradients of the block being reduced and the one in flight
+        if spec["raf"]:
+            return float(2 * block + grads), f"2 x {block / MIB:.0f} MiB unsharded blocks + 2 for their grads"
+        return float(4 * n + grads), f"every block unsharded forward to backward ({4 * n / MIB:.0f} MiB) + 2 grad blocks"
+    return 0.0, "none"
+
+
+def saved_activation_bytes(a) -> int:
+    """Bytes autograd saves for backward on one rank's micro-batch, parameters excluded (the same model
+    and micro-batch for every system)."""
+    model = build_model(a.dim, a.hidden, a.blocks)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        x = torch.randn(a.micro, a.dim)
+        loss = torch.nn.functional.mse_loss(model(x), torch.randn(a.micro, a.dim))
+    del loss
+    return sum(seen.values())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -178,6 +298,7 @@ def setup_rayzero(model, a, world, stage: int):
         engine.step()
         return loss.detach(), engine.global_grad_norm
 
+    step.engine = engine  # for the memory report's bucket sizes
     return step, engine.destroy
 
 
@@ -210,17 +331,20 @@ def deepspeed_available() -> tuple[bool, str]:
 
 
 # name, kind, world (None: --world), options, ZeRO stage whose model-state figure applies (None: 16/W, full shard)
-def system_specs(world: int) -> list[dict]:
-    specs = [dict(name="compute-only (1 proc, no comm)", kind="compute", world=1, theory_stage=0)]
+def system_specs(world: int, memory: bool = False) -> list[dict]:
+    specs = [] if memory else [dict(name="compute-only (1 proc, no comm)", kind="compute", world=1, theory_stage=0)]
     specs.append(dict(name="torch DDP", kind="ddp", world=world, theory_stage=0))
     for s in range(4):
         specs.append(dict(name=f"rayzero stage {s}", kind="rayzero", world=world, stage=s, theory_stage=s))
+    specs.append(dict(name="rayzero stage 3, zero_init", kind="rayzero", world=world, stage=3, theory_stage=3,
+                      zero_init=True))
     for raf in (False, True):
         specs.append(
             dict(name=f"FSDP2 reshard_after_forward={raf}", kind="fsdp2", world=world, raf=raf, theory_stage=3)
         )
-    for s in (1, 2, 3):
-        specs.append(dict(name=f"DeepSpeed stage {s}", kind="deepspeed", world=world, stage=s, theory_stage=s))
+    if not memory:
+        for s in (1, 2, 3):
+            specs.append(dict(name=f"DeepSpeed stage {s}", kind="deepspeed", world=world, stage=s, theory_stage=s))
     return specs
 
 
@@ -255,9 +379,28 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespa
         out["rss_start_mib"] = rss_mib()
         if spec["kind"] != "compute":
             dist.init_process_group("gloo", rank=rank, world_size=world)
-        model = build_model(a.dim, a.hidden, a.blocks)
+        if a.memory:
+            out["malloc_mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+            warm_runtime(spec["kind"])
+            if dist.is_initialized():
+                dist.barrier()
+            out["baseline_mib"] = rss_mib()  # the rank's own floor: runtime warm, no model yet
+            reset_hwm()
+        if spec.get("zero_init"):
+            import rayzero
+
+            with rayzero.zero_init():
+                model = build_model(a.dim, a.hidden, a.blocks)  # seeds itself: the same weights as plain
+        else:
+            model = build_model(a.dim, a.hidden, a.blocks)
         step, destroy = setup_system(spec, model, a, world)
         out["rss_after_setup_mib"] = rss_mib()
+        if a.memory:
+            out["hwm_setup_mib"] = hwm_mib()
+            engine = getattr(step, "engine", None)
+            out["theory_bytes"] = design_model_state_bytes(spec, a, world, engine)
+            out["buckets_bytes"], out["buckets_how"] = bucket_allowance(spec, a, world, model, engine)
+            del engine
 
         data = make_batches(a.warmup + a.steps, a.data_world, a.micro, a.dim)
         lo, hi = rank * a.micro, (rank + 1) * a.micro
@@ -278,6 +421,7 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespa
             if i >= a.warmup:
                 times.append(dt)
         out["hwm_timed_mib"] = hwm_mib()
+        out["rss_after_timed_mib"] = rss_mib()
         out["timed_wall_s"] = time.perf_counter() - timed_t0
         out["timed_machine_busy_s"] = cpu_busy_s() - busy0
         out["timed_own_cpu_s"] = time.process_time() - own0  # all threads of this rank (gloo's included)
@@ -345,6 +489,17 @@ def run_system(spec: dict, a: argparse.Namespace) -> dict:
         losses=ranks[0]["losses"],
         grad_norms=ranks[0]["grad_norms"],
     )
+    if a.memory:  # above each rank's own baseline, the largest rank
+        res.update(
+            mem_timed_peak_mib=max(r["hwm_timed_mib"] - r["baseline_mib"] for r in ranks),
+            mem_setup_peak_mib=max(r["hwm_setup_mib"] - r["baseline_mib"] for r in ranks),
+            mem_steady_mib=max(r["rss_after_timed_mib"] - r["baseline_mib"] for r in ranks),
+            mem_baseline_mib=max(r["baseline_mib"] for r in ranks),
+            theory_bytes=max(r["theory_bytes"] for r in ranks),
+            buckets_bytes=max(r["buckets_bytes"] for r in ranks),
+            buckets_how=ranks[0]["buckets_how"],
+            malloc_mmap_threshold=ranks[0]["malloc_mmap_threshold"],
+        )
     return res
 
 
@@ -436,6 +591,52 @@ def render(results: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+MEMORY_TARGET = 1.2  # issue 8: every rayzero stage within 1.2x of theory + activations + buckets
+
+
+def render_memory(results: list[dict], meta: dict) -> str:
+    act = meta["activation_bytes"] / MIB
+    lines = [
+        f"Workload: {meta['blocks']} x [Linear({meta['dim']},{meta['hidden']}) -> GELU -> "
+        f"Linear({meta['hidden']},{meta['dim']})] = {meta['params']:,} params, fp32, AdamW lr {meta['lr']}, "
+        f"micro-batch {meta['micro']}/rank, world {meta['world']} (gloo, 1 thread/rank), {meta['warmup']} warm-up "
+        f"+ {meta['steps']} timed steps, buckets {meta['bucket_elements']:,} elements, stage-3 persistence "
+        f"threshold {meta['persistence_threshold']:,}; MALLOC_MMAP_THRESHOLD_={meta['malloc_mmap_threshold']}.",
+        _provenance_line(meta.get("provenance", {})),
+        "",
+        "| system | model states (design.md) MiB | activations MiB | buckets MiB | theory total MiB | "
+        "set-up peak MiB | steady MiB | timed-steps peak MiB | peak / theory |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    notes = []
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['status']}: {_short_error(r['error'])} | | | | | | | |")
+            continue
+        states, buckets = r["theory_bytes"] / MIB, r["buckets_bytes"] / MIB
+        total = states + act + buckets
+        ratio = r["mem_timed_peak_mib"] / total
+        flag = "" if r["kind"] != "rayzero" or ratio <= MEMORY_TARGET else " **over**"
+        lines.append(
+            f"| {r['name']} | {states:.0f} | {act:.1f} | {buckets:.0f} | {total:.0f} | {r['mem_setup_peak_mib']:.0f} | "
+            f"{r['mem_steady_mib']:.0f} | {r['mem_timed_peak_mib']:.0f} | {ratio:.2f}{flag} |"
+        )
+        notes.append(f"- {r['name']}: buckets = {r['buckets_how']}")
+    lines += [
+        "",
+        "Every figure is MiB above the rank's own baseline (RSS once the runtime is warm: torch, the process "
+        f"group, one tiny AdamW step of each kernel; ~{meta['baseline_mib']:.0f} MiB), the largest rank. set-up "
+        "peak: VmHWM from the baseline through building the model and the system; steady: RSS after the timed "
+        "steps; timed-steps peak: VmHWM reset after the warm-up steps. model states: docs/design.md's table "
+        "(stage 0 16, stage 1 8 + 16/W, stage 2 4 + 16/W, stage 3 16/W + persistent parameters whole; DDP 16, "
+        "FSDP2 16/W bytes per parameter). activations: what autograd saves for backward on one micro-batch, "
+        f"parameters excluded. Target for rayzero: peak / theory <= {MEMORY_TARGET}.",
+        "",
+        *notes,
+    ]
+    return "\n".join(lines)
+
+
 def source_provenance() -> dict:
     """Which rayzero the ranks imported: git commit, whether rayzero/ differs from it, a hash of its sources.
 
@@ -489,6 +690,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bucket-elements", type=int, default=None,
                    help="reduce/all-gather bucket size in elements for rayzero and DeepSpeed, and DDP's "
                         "bucket_cap_mb (x4 bytes); default 6,553,600 = DDP's 25 MiB")
+    p.add_argument("--memory", action="store_true",
+                   help="measure peak RSS of the timed steps against ZeRO theory instead of speed (ranks run "
+                        "with MALLOC_MMAP_THRESHOLD_=65536; default 2 warm-up + 3 timed steps)")
+    p.add_argument("--malloc-defaults", action="store_true",
+                   help="with --memory: leave glibc's malloc settings alone (RSS then includes freed heap memory "
+                        "glibc keeps)")
     p.add_argument("--adam-fused", action="store_true",
                    help="AdamW(fused=True) in every system (default: each system's own default; rayzero's is fused)")
     a = p.parse_args(argv)
@@ -501,8 +708,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.timeout = a.timeout or 120.0
     else:
         a.dim, a.hidden, a.blocks = 1024, 4096, 4
-        a.steps = 10 if a.steps is None else a.steps
-        a.warmup = 3 if a.warmup is None else a.warmup
+        a.steps = (3 if a.memory else 10) if a.steps is None else a.steps
+        a.warmup = (2 if a.memory else 3) if a.warmup is None else a.warmup
         a.bucket_elements = a.bucket_elements or 25 * MIB // 4
         a.persistence_threshold = 100_000  # rayzero/DeepSpeed default: biases stay whole, weights shard
         a.timeout = a.timeout or 600.0
@@ -523,13 +730,19 @@ def main(argv=None) -> int:
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
     )
     meta["provenance"] = source_provenance()
+    if a.memory:
+        # read by glibc when each rank starts: large frees go back to the OS, so RSS follows live tensors
+        if not a.malloc_defaults:
+            os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+        meta["malloc_mmap_threshold"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", "unset (glibc default)")
+        meta["activation_bytes"] = saved_activation_bytes(a)
     base, err = spawn(_baseline_main, lambda r: (), 1, 60.0)
     meta["baseline_rss_mib"] = base[0]["hwm_mib"] if base else float("nan")
     meta["baseline_after_tiny_step_mib"] = base[0]["after_tiny_step_hwm_mib"] if base else float("nan")
     if err:
         print(f"runtime baseline probe failed: {err}", file=sys.stderr)
 
-    specs = system_specs(a.world)
+    specs = system_specs(a.world, a.memory)
     if a.only:
         keys = [k.strip().lower() for k in a.only.split(",") if k.strip()]
         specs = [s for s in specs if any(k in s["name"].lower() for k in keys)]
@@ -539,6 +752,8 @@ def main(argv=None) -> int:
         r = run_system(spec, a)
         msg = f"{r['median_step_ms']:.1f} ms/step, peak {r['peak_rss_mib']:.0f} MiB" if r["status"] == "ok" else (
             f"{r['status']}: {_short_error(r['error'])}")
+        if a.memory and r["status"] == "ok":
+            msg += f", timed-steps peak {r['mem_timed_peak_mib']:.0f} MiB above the rank's baseline"
         print(f"[bench]   {msg}", file=sys.stderr, flush=True)
         if r["status"] == "error":
             print(r["error"], file=sys.stderr, flush=True)
@@ -551,10 +766,12 @@ def main(argv=None) -> int:
         print("[bench] WARNING: rayzero's sources changed while the bench ran; rows may mix versions. Re-run.",
               file=sys.stderr, flush=True)
     busy = [r["name"] for r in results if r["status"] == "ok" and (r["foreign_cores"] or 0.0) > 0.25]
-    if busy:
+    if busy and not a.memory:  # (memory mode reports no step times)
         print(f"[bench] WARNING: other processes used CPU during: {', '.join(busy)}; their step times are "
               "inflated. Re-run on an idle machine.", file=sys.stderr, flush=True)
-    print(render(results, meta))
+    if a.memory:
+        meta["baseline_mib"] = max((r["mem_baseline_mib"] for r in results if r["status"] == "ok"), default=float("nan"))
+    print(render_memory(results, meta) if a.memory else render(results, meta))
     if a.json:
         for r in results:
             r["theory_mib"] = theory_bytes_per_param(r["theory_stage"], r["world"]) * meta["params"] / MIB

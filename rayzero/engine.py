@@ -8,11 +8,11 @@ scaler (``optim/``), and torch's own optimizer running on the fp32 master partit
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import time
 import weakref
-from types import SimpleNamespace
 from typing import Any, Iterable
 
 import torch
@@ -30,13 +30,16 @@ from rayzero.optim.clip import clip_coefficient, global_grad_norm
 from rayzero.optim.factory import build_optimizer
 from rayzero.optim.schedulers import build_scheduler
 from rayzero.optim.loss_scaler import LossScaler
-from rayzero.parallel.slicing import canonical_to_full, splits_of
+from rayzero.parallel.slicing import canonical_to_full
 from rayzero.parallel.state import ParallelState
 from rayzero.topology import ParallelDims
 from rayzero.zero.partition import USER_GROUP_KEY, Partitions
 from rayzero.zero.stage12 import GradientReducer, WeightPublisher
 from rayzero.zero.init import materialize_frozen
-from rayzero.zero.stage3 import ParamGatherer
+from rayzero.zero.stage3 import ParamGatherer, freed_by_destroy
+from rayzero.offload.optimizer import (
+    NvmeOptimizerSwap, check_model_states_fit, optimizer_state_bytes, resolve_offload_device,
+)
 
 
 logger = logging.getLogger("rayzero")
@@ -45,9 +48,10 @@ _live_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 @atexit.register
 def _finish_saves_at_exit() -> None:
-    """A save still writing in the background completes before the process exits."""
+    """A save still writing in the background completes before the process exits; swap files go."""
     for engine in list(_live_engines):
         engine._checkpoint.wait_local()
+        engine._close_swap()
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -83,6 +87,12 @@ class Engine:
     def _build(self, model: torch.nn.Module, model_parameters: Iterable | None) -> None:
         """Everything past the process groups: slicing, partitions, reducer, optimizer."""
         cfg = self.config
+        if any(freed_by_destroy(p) for p in model.parameters()):
+            raise RuntimeError(
+                "the model's parameters were freed by the Engine.destroy() of a ZeRO stage 3 engine; load "
+                "the weights back first (model.load_state_dict(state, assign=True) with a state from "
+                "engine.full_state_dict() taken before destroy, or a checkpoint) or build a fresh model"
+            )
 
         pre_sharded = any(hasattr(p, "_rayzero_shard") for p in model.parameters())
         if pre_sharded and self.stage != 3:
@@ -101,8 +111,20 @@ class Engine:
 
         params = [p for g in groups for p in g["params"]]
         device = params[0].device if params else self.accelerator.device()
+        z = cfg.zero_optimization
+        self.offload_device = resolve_offload_device(cfg, params, self.stage, self.topology.dp)
+        offload = self.offload_device != "none"
+        # stages 0-2 keep the model's parameters (already allocated); stage 3 frees them after set-up
+        kept = 0 if self.stage == 3 else sum(p.numel() * p.element_size() for p in params
+                                             if not hasattr(p, "_rayzero_shard"))
+        check_model_states_fit(cfg, params, lambda p: self.parallel.domain_of(p).comm.world if self.stage else 1,
+                               self.stage, device.type, self.offload_device, kept)
         self.partitions = Partitions(
-            groups, names, self.parallel.domain_of, partitioned=self.stage >= 1, device=device
+            groups, names, self.parallel.domain_of, partitioned=self.stage >= 1, device=device,
+            sub_group_size=z.sub_group_size,
+            state_device=torch.device("cpu") if offload else None,
+            # pinned host memory only speeds up copies to an accelerator
+            pin_memory=offload and z.offload_optimizer.pin_memory and device.type != "cpu",
         )
         self.partitions.load_masters_from_params()
         with torch.no_grad():
@@ -112,14 +134,18 @@ class Engine:
         for p in model.parameters():
             if hasattr(p, "_rayzero_shard") and not p.requires_grad:
                 materialize_frozen(p, self.comm)  # frozen: not partitioned, so whole on every rank
+        persistent = cfg.zero_optimization.stage3_param_persistence_threshold
         for p in self.partitions.all_params():
             if hasattr(p, "_rayzero_shard"):
-                # The fp32 shard now lives in the master partition; the stand-in becomes real storage
-                # (filled by the publisher for persistent parameters, released by the gatherer otherwise).
-                p.data = torch.empty(p.shape, dtype=self.compute_dtype, device=device)
+                # The fp32 shard now lives in the master partition.  Only a persistent parameter gets real
+                # storage (filled by the publisher); the others keep their one-element stand-in until the
+                # gatherer frees them, so no rank ever holds a whole one during set-up.
+                if p.numel() <= persistent:
+                    p.data = torch.empty(p.shape, dtype=self.compute_dtype, device=device)
+                else:
+                    p.data = torch.zeros(1, dtype=self.compute_dtype, device=device).expand(p.shape)
                 del p._rayzero_shard
 
-        z = cfg.zero_optimization
         self.gatherer: ParamGatherer | None = None
         if self.stage == 3:
             self.gatherer = ParamGatherer(
@@ -131,7 +157,9 @@ class Engine:
             )
         self.reducer = GradientReducer(
             self.partitions,
-            self.stage,
+            # with offload, stage 1 reduces every backward into its one host accumulator per group, as
+            # stage 2 does, instead of keeping a full-size gradient buffer
+            2 if offload and self.stage == 1 else self.stage,
             z.reduce_bucket_size,
             cfg.comm_dtype,
             self.topology.dp,
@@ -157,6 +185,16 @@ class Engine:
         self.optimizer = build_optimizer(
             self._optimizer_config(), [dict(params=[g.master], **g.overrides) for g in self.partitions.groups]
         )
+        self.swap: NvmeOptimizerSwap | None = None
+        self._swap_lease = self._swap_store = None
+        if "nvme" in (self.offload_device, z.offload_param.device):
+            self._start_nvme_swap(device)
+        elif z.offload_param.device == "cpu":
+            # stage 3's weight partitions in host memory, in the compute dtype: gathers read them from there
+            for g in self.partitions.groups:
+                g.weights = g.master.detach().to(device="cpu", dtype=self.compute_dtype, copy=True)
+                if z.offload_param.pin_memory and device.type != "cpu":
+                    g.weights = g.weights.pin_memory()
         user_groups = len(model_parameters) if model_parameters and isinstance(model_parameters[0], dict) else 1
         self.lr_scheduler = build_scheduler(
             cfg.scheduler, self.optimizer, [g.user_group for g in self.partitions.groups], user_groups
@@ -173,6 +211,60 @@ class Engine:
         # wall_clock_breakdown: seconds spent in forward / backward / step since the last report
         self._timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._checkpoint = CheckpointIO(self)
+
+    def _start_nvme_swap(self, device: torch.device) -> None:
+        """The rank's swap directory and store: the masters (and optimizer state after each step) move there
+        with offload_optimizer on NVMe, the compute-dtype weight shards with offload_param on NVMe."""
+        from rayzero.offload.params import NvmeParamSwap
+        from rayzero.offload.swap_dirs import acquire_swap_dir
+        from rayzero.offload.swap_store import SwapStore
+
+        cfg = self.config
+        z, aio = cfg.zero_optimization, cfg.aio
+        optimizer_nvme = self.offload_device == "nvme"
+        params_nvme = z.offload_param.device == "nvme"
+        path = z.offload_optimizer.nvme_path if optimizer_nvme else z.offload_param.nvme_path
+        self._swap_lease = acquire_swap_dir(path, self.rank)
+        try:
+            self._swap_store = SwapStore(
+                self._swap_lease.path, block_size=aio.block_size, queue_depth=aio.queue_depth,
+                thread_count=aio.thread_count,
+            )
+            self._swap_store.check_free_space(self._swap_bytes(optimizer_nvme, params_nvme))
+            if params_nvme:
+                self.partitions.param_swap = NvmeParamSwap(self._swap_store, self.compute_dtype, z.offload_param.max_in_cpu)
+                self.partitions.refresh_weights()  # every shard written once from the masters
+            if optimizer_nvme:
+                self.swap = NvmeOptimizerSwap(
+                    self.partitions, self.optimizer, self._swap_store, z.offload_optimizer.buffer_count,
+                    self.compute_dtype, device, keep_weights=not params_nvme,
+                )
+        except BaseException:
+            self._close_swap()
+            raise
+
+    def _swap_bytes(self, optimizer_nvme: bool, params_nvme: bool) -> int:
+        """What the swap files will hold: per sub-group the master and the optimizer's fp32 state tensors,
+        and per parameter its compute-dtype shard, each padded to whole O_DIRECT blocks."""
+        from rayzero.offload.swap_store import ALIGNMENT
+
+        padded = lambda nbytes: -(-nbytes // ALIGNMENT) * ALIGNMENT
+        tensors = 1 + optimizer_state_bytes(self.config) // 4
+        total = 0
+        for g in self.partitions.groups:
+            if optimizer_nvme:
+                total += tensors * padded(g.layout.partition_numel * 4)
+            if params_nvme:
+                size = torch.finfo(self.compute_dtype).bits // 8
+                total += sum(padded(e.chunk * size) for e in g.layout.entries)
+        return total
+
+    def _close_swap(self) -> None:
+        if self._swap_store is not None:
+            self._swap_store.close(remove_files=True)
+        if self._swap_lease is not None:
+            self._swap_lease.release()
+        self._swap_store = self._swap_lease = self.swap = None
 
     # ---- set-up helpers --------------------------------------------------------------------------------
     @staticmethod
@@ -316,7 +408,7 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         self._check_alive()
-        self.reducer.reduce_now = self.stage >= 2 or self.is_gradient_accumulation_boundary()
+        self.reducer.reduce_now = self.reducer.stage >= 2 or self.is_gradient_accumulation_boundary()
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
         start = time.perf_counter()
@@ -352,10 +444,15 @@ class Engine:
             for g in self.partitions.groups:
                 if multiplier != 1.0:
                     g.grad.mul_(multiplier)
-                g.master.grad = g.grad
-            self.optimizer.step()
-            for g in self.partitions.groups:
-                g.master.grad = None
+            if self.swap is not None:  # NVMe: one sub-group in memory at a time
+                self.swap.step(self.partitions.groups)
+            else:
+                for g in self.partitions.groups:
+                    g.master.grad = g.grad
+                self.optimizer.step()
+                for g in self.partitions.groups:
+                    g.master.grad = None
+                self.partitions.refresh_weights()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             if not self._params_alias_master:
@@ -418,25 +515,17 @@ class Engine:
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
-    @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Consolidated fp32 weights (and buffers) under the model's own names, on every rank."""
-        self._check_alive()
-        full: dict[int, torch.Tensor] = {}
-        for p in self.partitions.all_params():
-            e = self.partitions.entry_of[p]
-            full[id(p)] = self._unslice(self.partitions.gather_full(e), e)
-        out = {}
-        for p in self.module.parameters():
-            if id(p) not in full and splits_of(p):  # a frozen EP/TP slice: put the whole tensor together
-                full[id(p)] = self._unslice(p.detach().clone(), SimpleNamespace(shape=p.shape, splits=splits_of(p)))
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            out[name] = full[id(p)] if id(p) in full else p.detach().clone()
-        for name, b in self.module.named_buffers():
-            out[name] = b.detach().clone()
-        # keep the model's own key order
-        order = list(self.module.state_dict(keep_vars=True).keys())
-        return {k: out[k] for k in order if k in out}
+    def full_state_dict(self, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights (and buffers) under the model's own names and order, on every rank.
+
+        A collective: call it on every rank.  It gathers one parameter at a time
+        (``rayzero.zero.export``): with ``rank0_only`` only global rank 0 keeps the result (the other
+        ranks get an empty dict and peak at about one parameter), with ``cpu_offload`` every tensor is
+        moved to host memory as soon as it is gathered.
+        """
+        from rayzero.zero.export import full_state_dict
+
+        return full_state_dict(self, rank0_only=rank0_only, cpu_offload=cpu_offload)
 
     def _unslice(self, local: torch.Tensor, entry) -> torch.Tensor:
         """The model's full tensor from every rank's EP/TP slice of it (all ranks take part)."""
@@ -461,7 +550,13 @@ class Engine:
         process exit waits for it, and a failed background write raises there.  Returns the tag.
         """
         self._check_alive()
-        return self._checkpoint.save(save_dir, tag, client_state, async_save)
+        with self._optimizer_resident(write_back=False):
+            return self._checkpoint.save(save_dir, tag, client_state, async_save)
+
+    def _optimizer_resident(self, write_back: bool):
+        """With NVMe offload, the whole optimizer state in memory for a checkpoint save or load."""
+        # (an async save snapshots into its own buffers before it returns, so the swap buffers can go)
+        return self.swap.all_resident(write_back) if self.swap is not None else contextlib.nullcontext()
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, strict: bool = True) -> Any:
         """Load a universal checkpoint saved at any world size and stage; returns its ``client_state``.
@@ -475,7 +570,8 @@ class Engine:
         self.partitions.zero_grads()
         error = None
         try:
-            client_state, self.load_report = checkpoint_load(self, load_dir, tag, strict)
+            with self._optimizer_resident(write_back=True):
+                client_state, self.load_report = checkpoint_load(self, load_dir, tag, strict)
         except Exception as e:  # every rank must agree before anyone continues
             error = e
         failed = torch.tensor([1.0 if error is not None else 0.0])
@@ -484,6 +580,7 @@ class Engine:
             raise error
         if failed.item() > 0:
             raise CheckpointError("loading the checkpoint failed on another rank (see its error)")
+        self.partitions.refresh_weights()
         if not self._params_alias_master:
             self.publisher.publish()
         return client_state
@@ -496,17 +593,21 @@ class Engine:
     def destroy(self) -> None:
         """Free partitions, buckets, hooks and (if the engine created it) the process group.
 
-        The wrapped model is left whole, holding the latest weights in the compute dtype.
+        No collective gathers the model.  Stages 0-2 leave it whole, holding the latest weights in the
+        compute dtype.  At stage 3 only the persistent (small) parameters stay whole; the others were only
+        ever shards in the partitions freed here, so each is left as a one-element NaN stand-in of its
+        shape, and running a module that owns one raises an error that says so.  To keep the weights, take ``full_state_dict()`` (or stream
+        them with ``rayzero.zero.export.iter_full_state_dict``) or save a checkpoint before ``destroy()``.
         """
         if self._destroyed:
             return
         self._checkpoint.wait()
         self._checkpoint.release()
+        self._close_swap()  # the rank's swap files go with the engine
         _live_engines.discard(self)
         self.reducer.remove_hooks()
         if self.gatherer is not None:
-            self.gatherer.remove_hooks()
-            self.gatherer.materialize_all()
+            self.gatherer.close()  # stage 3: frees the gathered parameters, gathers nothing
         self.optimizer.state.clear()
         self.optimizer.param_groups.clear()
         self.lr_scheduler = None

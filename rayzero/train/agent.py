@@ -19,17 +19,35 @@ class NodeAgent:
         while probe and not os.path.exists(probe):
             probe = os.path.dirname(probe)
         free = shutil.disk_usage(probe or "/").free
+        total, available, source, host = _memory_limits(acc)
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
             "hostname": os.uname().nodename,
             "accelerator": acc.name,
             "devices": acc.device_count(),
             "graph_capture": acc.supports_graph_capture(),
-            "memory_total": acc.total_memory(),
-            "memory_available": acc.available_memory(),
+            "memory_total": total,
+            "memory_available": available,
+            "memory_source": source,
+            "host_memory_total": host.total_bytes,
+            "host_memory_source": host.source,
             "swap_path": swap,
             "swap_free": free,
         }
+
+
+def _memory_limits(acc):
+    """``(usable, available, source, host limit)``: the memory one worker may use.  On a CPU node that is the
+    host's RAM capped by the cgroup (v1/v2) and rlimits of the agent's process, which the node's workers share
+    (``detect_memory_limit``); on an accelerator it is the device's memory as the accelerator reports it
+    (MIG slice, per-process fraction).  The host limit comes too: offloaded state lives there."""
+    from rayzero.accelerator.memory_limits import detect_memory_limit
+
+    host = detect_memory_limit()
+    if acc.name == "cpu":
+        limit = acc.memory_limit() if hasattr(acc, "memory_limit") else host
+        return limit.total_bytes, limit.available_bytes, limit.source, host
+    return acc.total_memory(), acc.available_memory(), f"{acc.name} device memory", host
 
 
 def node_table(swap_path: str | None = None, timeout_s: float = 60.0) -> list[dict]:

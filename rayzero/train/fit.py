@@ -17,6 +17,7 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.config import Config, ConfigError
 from rayzero.train.cluster_config import ClusterConfig
 from rayzero.train.metrics import read_metrics
+from rayzero.train.offload_check import absolute_nvme_paths, check_swap_fits, node_slots, resolve_auto, swap_path
 from rayzero.train.planning import MicroBatchSizes, StepPlan, plan_range, skipped_sizes
 from rayzero.train.worker import WorkerSpec, train_loop_per_worker
 
@@ -163,6 +164,7 @@ def fit(
 
     cluster = ClusterConfig.from_any(cluster_cfg)
     cfg = Config.from_any(config if config is not None else {})
+    absolute_nvme_paths(cfg)
     # the model-parallel layout: tp ranks share one data shard; ep splits the data-parallel ranks further
     tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
     global_batch, micro_sizes, plans = _plan_run(cfg, cluster)
@@ -194,7 +196,13 @@ def fit(
     nodes = node_table()
     logger.info("nodes:\n%s", format_node_table(nodes))
     print(format_node_table(nodes), flush=True)
-    _check_fits(model, cfg, cluster, nodes)
+    counted = _model_for_count(model)
+    auto = resolve_auto(counted, cfg, cluster, nodes)  # offload_optimizer "auto" -> "none" or "nvme"
+    if auto:
+        logger.info("%s", auto)
+        print(f"[rayzero] {auto}", flush=True)
+    if counted is not None:
+        _check_fits(counted, cfg, cluster, nodes)
     for w, plan in plans.items():
         if plan.note:
             # the user's micro-batch / accumulation do not fit this world size: say what changed and why
@@ -266,14 +274,22 @@ def fit(
     else:
         run_dir = os.path.join(cluster.storage, name)
     progress = _Progress(run_dir, max_steps) if cluster.progress else None
-    if progress is not None:
-        progress.start()
+    swap_root = swap_path(cfg)  # with NVMe offload: one NodeSwapStore per node owns the run's swap files
+    swap_stores: dict = {}  # their handles: a store lives while its creator holds one
     try:
+        if swap_root:
+            _start_swap(counted, cfg, cluster, sorted(plans), name, swap_root, swap_stores)
+        if progress is not None:
+            progress.start()
         result = trainer.fit()
     finally:
-        if progress is not None:
+        if progress is not None and progress.is_alive():
             progress.stop.set()
             progress.join(timeout=10)
+        if swap_root:
+            from rayzero.train.swap_actor import shutdown_stores
+
+            shutdown_stores(name, swap_stores)  # removes the run's swap files on every node, however the run ended
     if result.error is not None:
         raise result.error
     history = read_metrics(run_dir)
@@ -292,6 +308,18 @@ def fit(
         run_dir=run_dir,
         history=history,
     )
+
+
+def _start_swap(counted, cfg: Config, cluster: ClusterConfig, worlds: list[int], name: str, root: str,
+                stores: dict) -> None:
+    """Start the run's NodeSwapStore on every node that can host a worker, and refuse the plan (before any worker
+    starts) when a node's disk under nvme_path cannot hold the swap of the ranks it may host."""
+    from rayzero.train.swap_actor import start_stores
+
+    slots = node_slots(cluster)
+    capacity = start_stores(root, name, [node for node, (_, k) in slots.items() if k > 0], stores)
+    if counted is not None:  # (an uncounted model also leaves "auto" to the engines)
+        check_swap_fits(counted, cfg, worlds, slots, capacity)
 
 
 def _plan_run(cfg: Config, cluster: ClusterConfig) -> tuple[int, list[int] | None, dict[int, StepPlan]]:
@@ -384,11 +412,20 @@ def _expert_params(model: torch.nn.Module) -> set:
     return out
 
 
-def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int) -> tuple[int, int]:
+def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int, offload: str | None = None) -> tuple[int, int]:
     """``(bytes, parameters)``: the model-state bytes of one of ``world`` workers and the model's parameter
     count.  With tensor parallelism every parameter counts 1/tp (AutoTP leaves embeddings and norms whole,
     so this can only under-count), partitioned over the ``world // tp`` data shards; with expert
-    parallelism the experts count 1/ep more, partitioned over the ``dp // ep`` expert-data-parallel ranks."""
+    parallelism the experts count 1/ep more, partitioned over the ``dp // ep`` expert-data-parallel ranks.
+
+    With the optimizer offloaded (``offload``, default the config's ``offload_optimizer.device``; ``auto``
+    counts as ``none``) the bytes are those ``rayzero.offload.plan.ram_bytes_per_param`` keeps in memory:
+    ``nvme`` moves the fp32 master and optimizer state to disk."""
+    from rayzero.offload.plan import ram_bytes_per_param
+
+    z = cfg.zero_optimization
+    offload = offload or z.offload_optimizer.device
+    offload = "none" if offload == "auto" else offload
     tp = cfg.tensor_parallel.autotp_size
     ep = cfg.expert_parallel.size
     dp = max(1, world // tp)
@@ -407,7 +444,12 @@ def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int) -> tuple[
         if not p.requires_grad:  # frozen: whole on every rank, in the compute dtype
             need += weights * held
             continue
-        need += model_state_bytes_per_param(stage, edp if expert else dp, mixed, optimizer_bytes) * held
+        ranks = edp if expert else dp
+        if offload == "none" and z.offload_param.device == "none":
+            need += model_state_bytes_per_param(stage, ranks, mixed, optimizer_bytes) * held
+        else:
+            need += ram_bytes_per_param(stage, ranks, mixed, optimizer_bytes, offload,
+                                        offload_param=z.offload_param.device) * held
         if stage == 3 and p.numel() <= threshold:  # persistent: whole on every rank between steps too
             need += weights * held
     return int(round(need)), sum(p.numel() for p in params)
@@ -449,6 +491,8 @@ def _check_fits(model: Any, cfg: Config, cluster: ClusterConfig, nodes: list[dic
         tp = cfg.tensor_parallel.autotp_size
         ep = cfg.expert_parallel.size
         layout = f" (tp {tp} x ep {ep})" if tp * ep > 1 else ""
+        offload = cfg.zero_optimization.offload_optimizer.device
+        layout += f" with the optimizer offloaded to {offload}" if offload not in ("none", "auto") else ""
         raise ConfigError(
             f"the plan cannot fit: {n:,} parameters at ZeRO stage {stage} with {dtype} compute on {world} "
             f"worker(s){layout} need {need / gib:.1f} GiB of model state per worker ({need:,} bytes, "
@@ -456,6 +500,8 @@ def _check_fits(model: Any, cfg: Config, cluster: ClusterConfig, nodes: list[dic
             f"GiB for all {world}, and the nodes' usable memory is "
             f"{[round(r['memory_total'] / gib, 1) for r in nodes]} GiB (per device on a node with several); use a "
             "higher ZeRO stage, more workers, or bigger nodes"
+            + ("" if offload == "nvme" else ", or offload the optimizer to NVMe (zero_optimization.offload_optimizer "
+               "device 'nvme' or 'auto', with nvme_path)")
         )
 
 

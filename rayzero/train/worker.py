@@ -13,6 +13,7 @@ copying any data.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -77,6 +78,49 @@ def _build_model(spec: WorkerSpec) -> torch.nn.Module:
 
 
 def train_loop_per_worker(spec: WorkerSpec) -> dict:
+    """One worker's run.  With NVMe offload it first leases this rank's swap directory from its node's
+    NodeSwapStore (``$RAYZERO_SWAP_DIR``, which the engine uses), and releases it when the loop ends."""
+    lease = _lease_swap_dir(spec)
+    try:
+        return _train(spec)
+    finally:
+        if lease is not None:
+            lease()
+
+
+def _lease_swap_dir(spec: WorkerSpec) -> Callable[[], None] | None:
+    """Lease this rank's swap directory when the config offloads to NVMe (or may: ``auto`` with a path);
+    returns the function that gives it back."""
+    import ray
+    import ray.train
+
+    from rayzero.offload.swap_dirs import SWAP_DIR_ENV
+    from rayzero.train.swap_actor import node_swap_store
+
+    zero = spec.config.get("zero_optimization") or {}
+    nvme_path = None
+    for key in ("offload_optimizer", "offload_param"):
+        section = zero.get(key) or {}
+        if section.get("device") in ("nvme", "auto") and section.get("nvme_path"):
+            nvme_path = nvme_path or section["nvme_path"]
+    if nvme_path is None:
+        return None
+    ctx = ray.train.get_context()
+    rank, pid = ctx.get_world_rank(), os.getpid()
+    store = node_swap_store(nvme_path, ctx.get_experiment_name(), detached=True)  # kept by release()
+    os.environ[SWAP_DIR_ENV] = ray.get(store.lease.remote(rank, pid))
+
+    def release() -> None:
+        os.environ.pop(SWAP_DIR_ENV, None)
+        try:
+            ray.get(store.release.remote(rank, pid), timeout=60)
+        except Exception as e:  # the store is gone (the run is ending): its shutdown removes the files
+            logging.getLogger("rayzero").warning("could not release the swap directory of rank %d: %s", rank, e)
+
+    return release
+
+
+def _train(spec: WorkerSpec) -> dict:
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
 

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from rayzero.comm import Communicator, init_distributed
-from rayzero.zero.layout import ceil_div, copy_from_rows
+from rayzero.zero.layout import ceil_div
 
 
 class _ShardState:
@@ -52,9 +52,9 @@ class _ShardState:
         chunk = shard.numel()
         rows = torch.empty((self.world, chunk), dtype=torch.float32)
         self.comm.all_gather(rows, shard).wait()
-        flat = torch.empty(p.numel(), dtype=torch.float32)
-        copy_from_rows(flat, rows, 0, chunk)
-        p.data = flat.view(p.shape).to(p.dtype)
+        # rank r's shard is elements [r * chunk, (r + 1) * chunk): the rows, read in order, are the whole
+        # parameter plus under `world` elements of padding, so it is a view of them (no second copy)
+        p.data = rows.view(-1)[: p.numel()].view(p.shape).to(p.dtype)
         del p._rayzero_shard
 
 

@@ -9,7 +9,7 @@ import torch
 
 from rayzero.comm import Communicator
 from rayzero.parallel.state import ReduceDomain
-from rayzero.zero.layout import GroupLayout, ParamEntry, copy_from_rows, shard_of
+from rayzero.zero.layout import GroupLayout, ParamEntry, shard_of
 
 
 @dataclass
@@ -97,6 +97,9 @@ class Partitions:
         self.device = device if device is not None else torch.device("cpu")
         self.state_device = state_device if state_device is not None else self.device
         self.partitioned = partitioned
+        self.param_swap = None  # offload/params.py NvmeParamSwap, with offload_param on NVMe
+        # reads a swapped-out group's fp32 master (offload/optimizer.py), for exports between steps
+        self.master_reader: Callable[[int], torch.Tensor] | None = None
         self.groups: list[GroupPartition] = []
         self.entry_of: dict[torch.nn.Parameter, ParamEntry] = {}
         for position, group in enumerate(param_groups):
@@ -133,7 +136,14 @@ class Partitions:
 
     def weight_shard(self, entry: ParamEntry) -> torch.Tensor:
         """This rank's shard of a parameter's current weights, read by publishing and stage-3 gathers."""
+        if self.param_swap is not None:  # offload_param to NVMe: read from the rank's swap files
+            return self.param_swap.shard(entry)
         return self.group_of(entry).weight_source[entry.partition_offset : entry.partition_offset + entry.chunk]
+
+    def prefetch_weights(self, entries: list[ParamEntry]) -> None:
+        """Start reading these shards ahead of ``weight_shard`` (only parameter offload reads anything)."""
+        if self.param_swap is not None:
+            self.param_swap.prefetch(entries)
 
     def grad_shard(self, entry: ParamEntry) -> torch.Tensor:
         return self.group_of(entry).grad[entry.partition_offset : entry.partition_offset + entry.chunk]
@@ -156,6 +166,18 @@ class Partitions:
                 else:
                     shard_of(p.detach().reshape(-1).float(), e, g.rank, out)
 
+    @torch.no_grad()
+    def refresh_weights(self, groups: list[GroupPartition] | None = None) -> None:
+        """After the masters changed: copy them into the separate weight partitions, or (parameter offload
+        to NVMe) write the shards to the swap files.  Groups whose master is swapped out are skipped."""
+        for g in self.groups if groups is None else groups:
+            if g.master.numel() != g.layout.partition_numel:
+                continue
+            if self.param_swap is not None:
+                self.param_swap.write_from(g.layout.entries, g.master)
+            elif g.weights is not None:
+                g.weights.copy_(g.master)
+
     def zero_grads(self) -> None:
         for g in self.groups:
             g.grad.zero_()
@@ -173,18 +195,21 @@ class Partitions:
         for g in self.groups:
             counted = whole_on_every_rank or (g.domain.primary and (g.world > 1 or g.domain.comm.rank == 0))
             if counted and g.grad.numel():
-                total += torch.dot(g.grad, g.grad)
+                total += torch.dot(g.grad, g.grad).to(self.device)  # offloaded gradients live on the host
         return total
 
     @torch.no_grad()
     def gather_full(self, entry: ParamEntry, source: str = "master") -> torch.Tensor:
         """The whole fp32 value of one parameter (``source``: 'master' or 'grad'), on every rank."""
-        shard = self.master_shard(entry) if source == "master" else self.grad_shard(entry)
         g = self.group_of(entry)
+        if source == "master" and g.master.numel() != g.layout.partition_numel and self.master_reader is not None:
+            master = self.master_reader(entry.group_index)  # swapped out to NVMe
+            shard = master[entry.partition_offset : entry.partition_offset + entry.chunk]
+        else:
+            shard = self.master_shard(entry) if source == "master" else self.grad_shard(entry)
         if g.world == 1:
             return shard[: entry.numel].clone().view(entry.shape)
         rows = torch.empty((g.world, entry.chunk), dtype=torch.float32, device=self.device)
-        g.comm.all_gather(rows, shard.contiguous()).wait()
-        flat = torch.empty(entry.numel, dtype=torch.float32, device=self.device)
-        copy_from_rows(flat, rows, 0, entry.chunk)
-        return flat.view(entry.shape)
+        g.comm.all_gather(rows, shard.to(rows.device).contiguous()).wait()  # offloaded masters: host
+        # rank r holds elements [r*chunk, (r+1)*chunk): the rows in order are the parameter plus < W padding
+        return rows.view(-1)[: entry.numel].view(entry.shape)

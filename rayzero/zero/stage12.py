@@ -198,7 +198,8 @@ class GradientReducer:
             if b.send is not b.rows:
                 b.rows[0].copy_(b.send[0])
         else:
-            b.group.grad[b.part_slice].add_(b.out)
+            grad = b.group.grad[b.part_slice]
+            grad.add_(b.out if b.out.device == grad.device else b.out.to(grad.device))  # offload: host accumulator
         b.handle = b.out = b.send = None
         if self.stage == 1:
             b.rows.zero_()

@@ -1,0 +1,1 @@
+"""Offload of optimizer state out of accelerator memory: the NVMe swap store lives in ``swap_store``."""

@@ -1,0 +1,273 @@
+"""Optimizer offload: the fp32 master partitions and the optimizer state outside the compute device.
+
+``offload_optimizer.device``:
+
+* ``cpu``: masters, optimizer state and the fp32 gradient accumulators live in host memory (pinned with
+  ``pin_memory`` when the model computes on an accelerator); the optimizer steps them there.
+* ``nvme``: as ``cpu``, but between steps each sub-group's master and optimizer state tensors live in the
+  rank's swap files (``swap_store.py``), not in memory.  A step brings one sub-group (``sub_group_size``
+  elements) at a time into a bounded pool of aligned buffers, reads the next sub-group while the current
+  one is stepped, and writes each stepped sub-group back.  A resident copy of every sub-group's weights in
+  the compute dtype (``GroupPartition.weights``) serves publishing (stages 1-2) and stage-3 gathers.
+
+Gradients are never swapped: they are reduced into the fp32 gradient partitions in host memory every
+backward (one accumulator per group, so stage 1 reduces like stage 2 under offload).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from concurrent.futures import Future
+from typing import Iterator
+
+import torch
+
+from rayzero.zero.partition import GroupPartition, Partitions
+
+logger = logging.getLogger("rayzero")
+
+
+class _Slot:
+    """One pool entry: aligned buffers for a sub-group's master and its optimizer state tensors."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.owner: int | None = None  # the group index whose tensors the buffers hold
+        self.reads: list[Future] = []
+        self.writes: list[Future] = []
+
+    def buffer(self, name: str, numel: int) -> torch.Tensor:
+        from rayzero.offload.swap_store import aligned_empty
+
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[name] = aligned_empty(numel, torch.float32)
+        return buf[:numel]
+
+    def settle_writes(self) -> None:
+        for f in self.writes:
+            f.result()
+        self.writes = []
+
+
+class NvmeOptimizerSwap:
+    """Keeps every sub-group's master and optimizer state in the swap store between steps."""
+
+    def __init__(self, partitions: Partitions, optimizer: torch.optim.Optimizer, store, buffer_count: int,
+                 compute_dtype: torch.dtype, weights_device: torch.device, keep_weights: bool = True):
+        self.partitions = partitions
+        self.optimizer = optimizer
+        self.store = store
+        self.slots = [_Slot() for _ in range(max(2, buffer_count))]
+        self.slot_of: dict[int, _Slot] = {}
+        self.state_names: dict[int, list[str]] = {}  # per group: the state tensors it keeps on disk
+        self._empty = torch.empty(0, dtype=torch.float32)
+        for gi, g in enumerate(partitions.groups):
+            if keep_weights:  # else the weights are in the swap files too (parameter offload)
+                g.weights = g.master.detach().to(device=weights_device, dtype=compute_dtype, copy=True)
+            self.store.write(self._key(gi, "master"), g.master).result()
+            g.master.set_(self._empty)
+        self._next_slot = 0
+        self._read_back: tuple[int, torch.Tensor] | None = None
+        partitions.master_reader = self.read_master
+
+    def read_master(self, gi: int) -> torch.Tensor:
+        """A swapped-out group's fp32 master, read from its file (the last one read is kept for the next
+        parameter of the same group: an export reads group by group)."""
+        if self._read_back is None or self._read_back[0] != gi:
+            self.flush()
+            self._read_back = None
+            from rayzero.offload.swap_store import aligned_empty
+
+            buf = aligned_empty(self._numel(gi), torch.float32)
+            self.store.read(self._key(gi, "master"), buf).result()
+            self._read_back = (gi, buf)
+        return self._read_back[1]
+
+    # ---- keys and slots --------------------------------------------------------------------------------
+    @staticmethod
+    def _key(gi: int, name: str) -> str:
+        return f"group{gi}.{name}"
+
+    def _numel(self, gi: int) -> int:
+        return self.partitions.groups[gi].layout.partition_numel
+
+    def _take_slot(self) -> _Slot:
+        """The least recently used free slot (its pending writes finished first)."""
+        for _ in range(len(self.slots)):
+            slot = self.slots[self._next_slot]
+            self._next_slot = (self._next_slot + 1) % len(self.slots)
+            if slot.owner is None or slot.owner not in self.slot_of or self.slot_of[slot.owner] is not slot:
+                slot.settle_writes()
+                slot.owner = None
+                return slot
+        raise RuntimeError("every swap buffer holds a sub-group that is in use; raise offload_optimizer.buffer_count")
+
+    # ---- swapping ----------------------------------------------------------------------------------------
+    def prefetch(self, gi: int) -> None:
+        """Start reading sub-group ``gi`` into a buffer; a sub-group that already holds one keeps it."""
+        if gi in self.slot_of:
+            return
+        slot = self._take_slot()
+        slot.owner = gi
+        numel = self._numel(gi)
+        slot.reads = [self.store.read(self._key(gi, "master"), slot.buffer("master", numel))]
+        for name in self.state_names.get(gi, []):
+            slot.reads.append(self.store.read(self._key(gi, name), slot.buffer(name, numel)))
+        self.slot_of[gi] = slot
+
+    def swap_in(self, gi: int) -> None:
+        """Make sub-group ``gi``'s master and optimizer state tensors real (waits for its reads)."""
+        self.prefetch(gi)
+        slot = self.slot_of[gi]
+        for f in slot.reads:
+            f.result()
+        slot.reads = []
+        g = self.partitions.groups[gi]
+        numel = self._numel(gi)
+        g.master.set_(slot.buffer("master", numel))
+        state = self.optimizer.state.get(g.master)
+        if state:
+            for name in self.state_names.get(gi, []):
+                state[name] = slot.buffer(name, numel)
+
+    def swap_out(self, gi: int, write: bool = True) -> None:
+        """Write sub-group ``gi`` back (asynchronously) and drop its tensors from memory."""
+        slot = self.slot_of.pop(gi)
+        g = self.partitions.groups[gi]
+        state = self.optimizer.state.get(g.master) or {}
+        names = [k for k, v in state.items() if torch.is_tensor(v) and v.shape == g.master.shape and v.numel() > 1]
+        if write:
+            numel = self._numel(gi)
+            for name in names:
+                buf = slot.buffer(name, numel)
+                if state[name].data_ptr() != buf.data_ptr():  # created by the optimizer: move into the pool
+                    buf.copy_(state[name])
+                state[name] = buf
+            # the slot's own tensor, not g.master, which is emptied below while the write is in flight
+            slot.writes = [self.store.write(self._key(gi, "master"), slot.buffer("master", numel))]
+            slot.writes += [self.store.write(self._key(gi, name), state[name]) for name in names]
+            self.state_names[gi] = names
+        for name in names:
+            state[name] = self._empty
+        g.master.set_(self._empty)
+        slot.owner = None
+
+    def flush(self) -> None:
+        """Wait until every write has reached the files."""
+        for slot in self.slots:
+            slot.settle_writes()
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def step(self, groups: list[GroupPartition]) -> None:
+        """Step every sub-group in turn, reading the next ones while the current one steps."""
+        n = len(groups)
+        # read up to this many sub-groups ahead, keeping one buffer for the write of the one just stepped
+        ahead = max(1, len(self.slots) - 2)
+        for gi, g in enumerate(groups):
+            for nxt in range(gi, min(n, gi + 1 + ahead)):
+                self.prefetch(nxt)
+            self.swap_in(gi)
+            g.master.grad = g.grad
+            self.optimizer.step()
+            g.master.grad = None
+            self.partitions.refresh_weights([g])
+            self.swap_out(gi)
+        self.flush()
+        self._read_back = None
+
+    @contextlib.contextmanager
+    def all_resident(self, write_back: bool) -> Iterator[None]:
+        """Every sub-group in memory at once (checkpoint save and load); written back after a load."""
+        slots, self.slots = self.slots, self.slots + [_Slot() for _ in self.partitions.groups]
+        try:
+            for gi in range(len(self.partitions.groups)):
+                self.swap_in(gi)
+            yield
+        finally:
+            for gi in range(len(self.partitions.groups)):
+                g = self.partitions.groups[gi]
+                if write_back:
+                    self.partitions.refresh_weights([g])
+                self.swap_out(gi, write=write_back)
+            self.flush()
+            self._read_back = None
+            self.slots = slots  # the extra buffers go with the extra slots
+            self._next_slot = 0
+            for slot in self.slots:
+                slot.owner = None
+
+
+def optimizer_state_bytes(cfg) -> int:
+    """fp32 optimizer state per parameter: AdamW/Adam 8 (12 with amsgrad), SGD 4 with momentum, else 0."""
+    opt = cfg.optimizer
+    kind = (opt.type if opt is not None else "AdamW").lower()
+    params = opt.params if opt is not None else {}
+    if kind == "sgd":
+        return 4 if params.get("momentum") else 0
+    return 8 + (4 if params.get("amsgrad") else 0)
+
+
+def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, dp: int) -> str:
+    """``offload_optimizer.device`` with ``auto`` decided: ``none`` when this rank's model states fit the
+    memory the process may use (cgroup and rlimit aware), else ``nvme`` (with ``nvme_path``)."""
+    off = cfg.zero_optimization.offload_optimizer
+    if off.device != "auto":
+        return off.device
+    from rayzero.accelerator.memory_limits import detect_memory_limit
+    from rayzero.offload.plan import ram_bytes_per_param, resolve_auto_offload
+
+    mixed = cfg.compute_dtype != torch.float32
+    n = sum(p.numel() for p in params)
+    opt_bytes = optimizer_state_bytes(cfg)
+    limit = detect_memory_limit()  # headroom left under the tightest limit (the model is built already)
+    left = limit.available_bytes
+    need = int(ram_bytes_per_param(stage, dp, mixed, opt_bytes, "none") * n)
+    need_nvme = int(ram_bytes_per_param(stage, dp, mixed, opt_bytes, "nvme") * n)
+    choice = resolve_auto_offload(need, need_nvme, left, off.nvme_path)
+    logger.info("offload_optimizer.device auto -> %s (model states %d bytes, %d bytes left under %s)",
+                choice, need, left, limit.available_source)
+    return choice
+
+
+def check_model_states_fit(cfg, params: list[torch.Tensor], world_of, stage: int, device_kind: str,
+                           offload: str, preallocated: int) -> None:
+    """Refuse, before allocating, model states that cannot fit the memory this process may still use.
+
+    Only hard limits are enforced (cgroup, RLIMIT_AS / RLIMIT_DATA, or more than the host has): an
+    allocation past them kills the process or fails half-way through set-up.  ``preallocated`` is what the
+    model's parameters already hold of these bytes.  Accelerator memory is not checked here.
+    """
+    if device_kind != "cpu" or not params:
+        return
+    from rayzero.accelerator.memory_limits import SOURCE_HOST, detect_memory_limit
+    from rayzero.offload.plan import ram_bytes_per_param
+
+    mixed = cfg.compute_dtype != torch.float32
+    opt_bytes = optimizer_state_bytes(cfg)
+    param_off = cfg.zero_optimization.offload_param.device
+
+    def need(device: str) -> int:
+        total = sum(ram_bytes_per_param(stage, world_of(p), mixed, opt_bytes, device, offload_param=param_off)
+                    * p.numel() for p in params)
+        return max(0, int(total) - preallocated)
+
+    wanted = need(offload)
+    limit = detect_memory_limit()
+    hard = limit.available_source != SOURCE_HOST
+    left = limit.available_bytes if hard else limit.total_bytes
+    if wanted <= left:
+        return
+    from rayzero.config import ConfigError
+
+    mib = 1 << 20
+    fix = ("use a higher ZeRO stage or more ranks" if offload == "nvme" else
+           f"offload the optimizer to NVMe (zero_optimization.offload_optimizer: {{\"device\": \"nvme\", "
+           f"\"nvme_path\": ...}}, which needs about {need('nvme') / mib:.0f} MiB here), use a higher ZeRO stage, "
+           "or more ranks")
+    raise ConfigError(
+        f"this rank's model states need {wanted / mib:.0f} MiB more memory ({sum(p.numel() for p in params):,} "
+        f"trainable parameters, ZeRO stage {stage}, optimizer offload '{offload}'), but only {left / mib:.0f} "
+        f"MiB are left under {limit.available_source if hard else limit.source}; {fix}"
+    )

@@ -1,0 +1,150 @@
+"""The driver's offload planning before launch: what ``"device": "auto"`` becomes, and whether the NVMe swap
+of the run fits each node's disk.  The arithmetic is ``rayzero/offload/plan.py``; this module applies it to
+the model (counted as ``fit``'s memory check counts it), the config and the node reports."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from rayzero.config import Config, ConfigError
+from rayzero.offload.plan import GIB, resolve_auto_offload, swap_bytes_per_rank
+from rayzero.train.cluster_config import ClusterConfig
+
+logger = logging.getLogger("rayzero")
+
+
+def uses_nvme(cfg: Config) -> bool:
+    z = cfg.zero_optimization
+    return z.offload_optimizer.device == "nvme" or z.offload_param.device == "nvme"
+
+
+def swap_path(cfg: Config) -> str | None:
+    """The nvme_path the run's swap directory goes under (the optimizer's, else the parameters')."""
+    z = cfg.zero_optimization
+    for section in (z.offload_optimizer, z.offload_param):
+        if section.device in ("nvme", "auto") and section.nvme_path:
+            return section.nvme_path
+    return None
+
+
+def absolute_nvme_paths(cfg: Config) -> None:
+    """Make nvme_path absolute as the driver sees it (workers and actors run in other directories), and refuse
+    two different paths: a rank has one swap directory."""
+    z = cfg.zero_optimization
+    for section in (z.offload_optimizer, z.offload_param):
+        if section.nvme_path:
+            section.nvme_path = os.path.abspath(os.path.expanduser(section.nvme_path))
+    paths = {s.nvme_path for s in (z.offload_optimizer, z.offload_param) if s.device in ("nvme", "auto") and s.nvme_path}
+    if len(paths) > 1:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.nvme_path and offload_param.nvme_path differ ({sorted(paths)}); "
+            "under rayzero.fit each rank has one swap directory: set both to the same directory"
+        )
+
+
+def worker_limit(nodes: list[dict], world: int) -> tuple[int, str]:
+    """The model-state memory one of ``world`` workers may use, as ``fit``'s memory check counts it (the largest
+    node's usable memory, and the nodes' sum shared by all workers), and where that limit comes from."""
+    biggest = max(nodes, key=lambda r: r["memory_total"])
+    total = sum(r["memory_total"] * max(1, r.get("devices") or 1) for r in nodes)
+    source = biggest.get("memory_source") or "usable memory"
+    if total // max(1, world) < biggest["memory_total"]:
+        return total // max(1, world), (f"the {len(nodes)} node(s)' usable memory, {total / GIB:.1f} GiB in all, "
+                                        f"shared by {world} worker(s); node {biggest['hostname']}: {source}")
+    return biggest["memory_total"], f"node {biggest['hostname']}'s usable memory: {source}"
+
+
+def resolve_auto(counted: torch.nn.Module | None, cfg: Config, cluster: ClusterConfig, nodes: list[dict]) -> str | None:
+    """Decide ``offload_optimizer.device: "auto"`` for the whole run at the smallest world size (the largest
+    share per worker): sets it in ``cfg`` and returns the line that says what was chosen and why (None when
+    the device is not ``auto``).  A model that cannot be counted keeps ``auto``: each engine decides."""
+    from rayzero.train.fit import model_state_bytes
+
+    off = cfg.zero_optimization.offload_optimizer
+    if off.device != "auto":
+        return None
+    if counted is None or not nodes:
+        return ("offload_optimizer.device auto is left to each worker's engine: the model could not be counted on "
+                "the driver")
+    world = cluster.min_workers
+    need, n = model_state_bytes(counted, cfg, world, offload="none")
+    need_nvme, _ = model_state_bytes(counted, cfg, world, offload="nvme")
+    limit, source = worker_limit(nodes, world)
+    off.device = resolve_auto_offload(need, need_nvme, limit, off.nvme_path, limit_source=source)
+    why = "fit" if off.device == "none" else "do not fit; with the optimizer on NVMe they need"
+    extra = "" if off.device == "none" else f" {need_nvme / GIB:.2f} GiB"
+    return (f"offload_optimizer.device auto -> {off.device}: {n:,} parameters on {world} worker(s) need "
+            f"{need / GIB:.2f} GiB of model state per worker, which {why}{extra} (limit {limit / GIB:.2f} GiB, {source})")
+
+
+def swap_bytes(model: torch.nn.Module, cfg: Config, world: int) -> int:
+    """Bytes one of ``world`` ranks keeps in its swap directory (``plan.swap_bytes_per_rank``): the trainable
+    parameters it holds (1/tp, experts 1/ep more) partitioned over dp (experts over edp)."""
+    from rayzero.train.fit import _expert_params, _optimizer_state_bytes
+
+    z = cfg.zero_optimization
+    tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
+    dp = max(1, world // tp)
+    experts = _expert_params(model) if ep > 1 else set()
+    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
+    dense = sum(p.numel() for p in params if p not in experts) // tp
+    expert = sum(p.numel() for p in params if p in experts) // (tp * ep)
+    weights = 2 if cfg.compute_dtype != torch.float32 else 4
+    kwargs = dict(
+        block=cfg.aio.block_size,
+        sub_group_size=z.sub_group_size,
+        param_bytes=weights if z.offload_param.device == "nvme" else 0,
+        offload_optimizer=z.offload_optimizer.device == "nvme",
+    )
+    opt = _optimizer_state_bytes(cfg)
+    return (swap_bytes_per_rank(dense, z.stage, dp, opt, **kwargs)
+            + swap_bytes_per_rank(expert, z.stage, max(1, dp // ep), opt, **kwargs))
+
+
+def node_slots(cluster: ClusterConfig) -> dict[str, tuple[str, int]]:
+    """``{node_id: (address, workers it can host)}`` for each alive node, from its total resources."""
+    import ray
+
+    per = dict(cluster.resources_per_worker)
+    if cluster.use_gpu and "GPU" not in per:
+        per["GPU"] = 1
+    out = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        have = node.get("Resources", {})
+        slots = min((int(have.get(k, 0) // v) for k, v in per.items() if v > 0), default=cluster.max_workers)
+        out[node["NodeID"]] = (node.get("NodeManagerAddress", "?"), min(slots, cluster.max_workers))
+    return out
+
+
+def check_swap_fits(model: torch.nn.Module, cfg: Config, worlds: list[int], slots: dict[str, tuple[str, int]],
+                    capacity: dict[str, dict]) -> None:
+    """Refuse a plan whose swap files cannot fit a node's disk: at every world size of the range, as many ranks
+    as the node can host (at most the world size), each keeping ``swap_bytes``, against the free space under
+    nvme_path that the node's NodeSwapStore reports."""
+    per_rank = {w: swap_bytes(model, cfg, w) for w in worlds}
+    for node_id, cap in capacity.items():
+        host = cap.get("hostname") or slots.get(node_id, ("?",))[0]
+        if cap.get("error"):
+            raise ConfigError(
+                f"nvme_path cannot be used on node {host} ({node_id[:12]}): {cap['error']}; point nvme_path at a "
+                "writable directory on a local disk that exists on every node"
+            )
+        hosted = slots.get(node_id, ("", 0))[1]
+        need, world, ranks = max((min(w, hosted) * b, w, min(w, hosted)) for w, b in per_rank.items())
+        if need > cap["free_bytes"]:
+            z = cfg.zero_optimization
+            raise ConfigError(
+                f"the NVMe swap does not fit on node {host} ({node_id[:12]}): {ranks} rank(s) there at world size "
+                f"{world} keep {per_rank[world]:,} bytes each (ZeRO stage {z.stage}, fp32 master and optimizer "
+                f"state in {cfg.aio.block_size}-byte blocks per sub-group of {z.sub_group_size:,} elements), "
+                f"{need / GIB:.2f} GiB ({need:,} bytes) under {cap['path']}, and that disk has "
+                f"{cap['free_bytes'] / GIB:.2f} GiB ({cap['free_bytes']:,} bytes) free; free space there, point "
+                "nvme_path at a bigger local disk, use more workers or nodes, or offload to 'cpu' instead"
+            )
+        logger.info("swap on node %s: up to %d rank(s) x %d bytes at world %d, %d bytes free under %s",
+                    host, ranks, per_rank[world], world, cap["free_bytes"], cap["path"])
