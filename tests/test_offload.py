@@ -142,6 +142,12 @@ def test_nvme_offload_trains_where_ram_cannot_hold_the_model_states(tmp_path):
     assert "losses" in trained, trained
     assert trained["losses"][2] < trained["losses"][0]
     assert not list((tmp_path / "swap").rglob("*.swap"))
+    # "auto" finds the same: the states do not fit under the limit, so the optimizer goes to NVMe ...
+    auto = _rank_under_rlimit("auto", str(tmp_path / "swap"), 200)
+    assert auto.get("offload") == "nvme" and auto["losses"] == trained["losses"], auto
+    # ... and with room to spare it stays in memory, training the same
+    roomy = _rank_under_rlimit("auto", str(tmp_path / "swap"), 1200)
+    assert roomy.get("offload") == "none" and roomy["losses"] == trained["losses"], roomy
 
 
 def test_parameter_offload_matches_no_offload(tmp_path):

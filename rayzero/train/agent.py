@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 import ray
 
@@ -14,11 +13,10 @@ class NodeAgent:
         from rayzero.accelerator import get_accelerator
 
         acc = get_accelerator()
-        swap = swap_path or os.getcwd()
-        probe = swap
-        while probe and not os.path.exists(probe):
-            probe = os.path.dirname(probe)
-        free = shutil.disk_usage(probe or "/").free
+        from rayzero.offload.swap_store import free_bytes
+
+        swap = os.path.abspath(swap_path or os.getcwd())
+        free = free_bytes(swap)  # of the filesystem that holds it (the nearest existing parent)
         total, available, source, host = _memory_limits(acc)
         return {
             "node_id": ray.get_runtime_context().get_node_id(),
