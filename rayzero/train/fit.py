@@ -17,6 +17,7 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.config import Config, ConfigError
 from rayzero.train.cluster_config import ClusterConfig
 from rayzero.train.metrics import read_metrics
+from rayzero.offload.optimizer import optimizer_state_bytes
 from rayzero.train.offload_check import absolute_nvme_paths, check_swap_fits, node_slots, resolve_auto, swap_path
 from rayzero.train.planning import MicroBatchSizes, StepPlan, plan_range, skipped_sizes
 from rayzero.train.worker import WorkerSpec, train_loop_per_worker
@@ -391,16 +392,6 @@ def model_state_bytes_per_worker(
     return int(round(need + weights * frozen_params))
 
 
-def _optimizer_state_bytes(cfg: Config) -> int:
-    """fp32 optimizer state per parameter: AdamW/Adam 8 (12 with amsgrad), SGD 4 with momentum, else 0."""
-    opt = cfg.optimizer
-    kind = (opt.type if opt is not None else "AdamW").lower()
-    params = opt.params if opt is not None else {}
-    if kind == "sgd":
-        return 4 if params.get("momentum") else 0
-    return 8 + (4 if params.get("amsgrad") else 0)
-
-
 def _expert_params(model: torch.nn.Module) -> set:
     """The parameters AutoEP splits over ep: rayzero MoE experts (marked) and transformers experts modules."""
     from rayzero.moe.experts import looks_like_experts
@@ -433,7 +424,7 @@ def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int, offload: 
     stage = cfg.zero_optimization.stage
     mixed = cfg.compute_dtype != torch.float32
     threshold = cfg.zero_optimization.stage3_param_persistence_threshold
-    optimizer_bytes = _optimizer_state_bytes(cfg)
+    optimizer_bytes = optimizer_state_bytes(cfg)
     experts = _expert_params(model) if ep > 1 else set()
     params = list(dict.fromkeys(model.parameters()))  # tied weights once
     weights = 2 if mixed else 4

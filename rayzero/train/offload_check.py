@@ -83,7 +83,8 @@ def resolve_auto(counted: torch.nn.Module | None, cfg: Config, cluster: ClusterC
 def swap_bytes(model: torch.nn.Module, cfg: Config, world: int) -> int:
     """Bytes one of ``world`` ranks keeps in its swap directory (``plan.swap_bytes_per_rank``): the trainable
     parameters it holds (1/tp, experts 1/ep more) partitioned over dp (experts over edp)."""
-    from rayzero.train.fit import _expert_params, _optimizer_state_bytes
+    from rayzero.offload.optimizer import optimizer_state_bytes
+    from rayzero.train.fit import _expert_params
 
     z = cfg.zero_optimization
     tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
@@ -99,7 +100,7 @@ def swap_bytes(model: torch.nn.Module, cfg: Config, world: int) -> int:
         param_bytes=weights if z.offload_param.device == "nvme" else 0,
         offload_optimizer=z.offload_optimizer.device == "nvme",
     )
-    opt = _optimizer_state_bytes(cfg)
+    opt = optimizer_state_bytes(cfg)
     return (swap_bytes_per_rank(dense, z.stage, dp, opt, **kwargs)
             + swap_bytes_per_rank(expert, z.stage, max(1, dp // ep), opt, **kwargs))
 
