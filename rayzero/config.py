@@ -361,6 +361,14 @@ class ZeroConfig(_Section):
                 "config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0): "
                 "set zero_optimization.stage to 1 or more, or remove offload_optimizer"
             )
+        opt_path, param_path = self.offload_optimizer.nvme_path, self.offload_param.nvme_path
+        if (self.offload_optimizer.device in ("nvme", "auto") and self.offload_param.device == "nvme"
+                and opt_path and param_path and os.path.normpath(opt_path) != os.path.normpath(param_path)):
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.nvme_path ({opt_path!r}) and offload_param.nvme_path "
+                f"({param_path!r}) differ; a rank keeps all its swap files in one directory: set both to the "
+                "same path"
+            )
         if self.offload_param.device != "none" and self.stage != 3:
             raise ConfigError(
                 f"config key 'zero_optimization.offload_param' needs ZeRO stage 3 (stage is {self.stage}): "

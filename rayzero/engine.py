@@ -237,7 +237,8 @@ class Engine:
             if optimizer_nvme:
                 self.swap = NvmeOptimizerSwap(
                     self.partitions, self.optimizer, self._swap_store, z.offload_optimizer.buffer_count,
-                    self.compute_dtype, device, keep_weights=not params_nvme,
+                    self.compute_dtype, torch.device("cpu") if z.offload_param.device == "cpu" else device,
+                    keep_weights=not params_nvme,
                 )
         except BaseException:
             self._close_swap()

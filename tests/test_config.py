@@ -586,3 +586,13 @@ def test_offload_config_errors(zero, message):
 def test_aio_block_size_must_be_aligned():
     with pytest.raises(ConfigError, match="multiple of 4096"):
         Config.from_any({"aio": {"block_size": 1000}})
+
+
+def test_offload_paths_must_agree():
+    with pytest.raises(ConfigError, match="differ.*same path"):
+        Config.from_any({"zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+            "offload_param": {"device": "nvme", "nvme_path": "/b"}}})
+    Config.from_any({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a/"},
+        "offload_param": {"device": "nvme", "nvme_path": "/a"}}})
