@@ -156,7 +156,8 @@ def test_parameter_offload_matches_no_offload(tmp_path):
     root = str(tmp_path / "swap")
     common = dict(steps=STEPS, global_batch=BATCH, gas=2, unused=True, swap_root=root)
     cases = [dict(device="none", **common), dict(device="cpu", **common), dict(device="nvme", **common),
-             dict(device="nvme", optimizer_device="nvme", **common), dict(device="cpu", optimizer_device="cpu", **common)]
+             dict(device="nvme", optimizer_device="nvme", **common), dict(device="cpu", optimizer_device="cpu", **common),
+             dict(device="cpu", optimizer_device="nvme", **common)]
     results = run_distributed(run_param_offload_cases, 2, cases)[0]
     for case, got in zip(cases[1:], results[1:]):
         for name in results[0]["state"]:
