@@ -240,6 +240,10 @@ _ZERO_NOT_SUPPORTED = {
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
+def _same_dir(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
 @dataclass
 class OffloadOptimizerConfig(_Section):
     """`zero_optimization.offload_optimizer`: where the fp32 master partitions and optimizer state live.
@@ -363,7 +367,7 @@ class ZeroConfig(_Section):
             )
         opt_path, param_path = self.offload_optimizer.nvme_path, self.offload_param.nvme_path
         if (self.offload_optimizer.device in ("nvme", "auto") and self.offload_param.device == "nvme"
-                and opt_path and param_path and os.path.normpath(opt_path) != os.path.normpath(param_path)):
+                and opt_path and param_path and _same_dir(opt_path) != _same_dir(param_path)):
             raise ConfigError(
                 f"zero_optimization.offload_optimizer.nvme_path ({opt_path!r}) and offload_param.nvme_path "
                 f"({param_path!r}) differ; a rank keeps all its swap files in one directory: set both to the "

@@ -286,7 +286,11 @@ def test_nvme_paths_become_absolute_and_must_agree():
     cfg = _cfg("nvme", path="rel/dir")
     absolute_nvme_paths(cfg)
     assert cfg.zero_optimization.offload_optimizer.nvme_path == os.path.abspath("rel/dir")
-    both = Config.from_any({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
-                                                  "offload_param": {"device": "nvme", "nvme_path": "/b"}}})
-    with pytest.raises(rayzero.ConfigError, match="set both to the same directory"):
-        absolute_nvme_paths(both)
+    with pytest.raises(rayzero.ConfigError, match="set both to the same path"):
+        Config.from_any({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+                                               "offload_param": {"device": "nvme", "nvme_path": "/b"}}})
+    # the same directory written two ways is one path
+    same = Config.from_any({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "rel/dir"},
+                                                  "offload_param": {"device": "nvme", "nvme_path": os.path.abspath("rel/dir")}}})
+    absolute_nvme_paths(same)
+    assert same.zero_optimization.offload_param.nvme_path == same.zero_optimization.offload_optimizer.nvme_path

@@ -31,18 +31,12 @@ def swap_path(cfg: Config) -> str | None:
 
 
 def absolute_nvme_paths(cfg: Config) -> None:
-    """Make nvme_path absolute as the driver sees it (workers and actors run in other directories), and refuse
-    two different paths: a rank has one swap directory."""
+    """Make nvme_path absolute as the driver sees it: workers and actors run in other directories.  (Two
+    different paths are refused by the config itself: a rank has one swap directory.)"""
     z = cfg.zero_optimization
     for section in (z.offload_optimizer, z.offload_param):
         if section.nvme_path:
             section.nvme_path = os.path.abspath(os.path.expanduser(section.nvme_path))
-    paths = {s.nvme_path for s in (z.offload_optimizer, z.offload_param) if s.device in ("nvme", "auto") and s.nvme_path}
-    if len(paths) > 1:
-        raise ConfigError(
-            f"zero_optimization.offload_optimizer.nvme_path and offload_param.nvme_path differ ({sorted(paths)}); "
-            "under rayzero.fit each rank has one swap directory: set both to the same directory"
-        )
 
 
 def worker_limit(nodes: list[dict], world: int) -> tuple[int, str]:
