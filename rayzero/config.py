@@ -353,13 +353,15 @@ class ZeroConfig(_Section):
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
-    sub_group_size: int = 1_000_000_000
+    # None: 1e9 elements, or with NVMe optimizer offload 1/16 of the rank's partition (offload/optimizer.py)
+    sub_group_size: int | None = None
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
 
     def _validate(self) -> None:
         self._check("stage", 0 <= self.stage <= 3, "ZeRO stage must be 0, 1, 2 or 3")
-        self._check("sub_group_size", self.sub_group_size > 0, "must be > 0 elements")
+        self._check("sub_group_size", self.sub_group_size is None or self.sub_group_size > 0,
+                    "must be > 0 elements (or left out for rayzero's choice)")
         if self.offload_optimizer.device != "none" and self.stage == 0:
             raise ConfigError(
                 "config key 'zero_optimization.offload_optimizer' needs ZeRO stage 1, 2 or 3 (stage is 0): "

@@ -38,7 +38,7 @@ from rayzero.zero.stage12 import GradientReducer, WeightPublisher
 from rayzero.zero.init import materialize_frozen
 from rayzero.zero.stage3 import ParamGatherer, freed_by_destroy
 from rayzero.offload.optimizer import (
-    NvmeOptimizerSwap, check_model_states_fit, optimizer_state_bytes, resolve_offload_device,
+    NvmeOptimizerSwap, check_model_states_fit, optimizer_state_bytes, resolve_offload_device, sub_group_size,
 )
 
 
@@ -117,11 +117,12 @@ class Engine:
         # stages 0-2 keep the model's parameters (already allocated); stage 3 frees them after set-up
         kept = 0 if self.stage == 3 else sum(p.numel() * p.element_size() for p in params
                                              if not hasattr(p, "_rayzero_shard"))
-        check_model_states_fit(cfg, params, lambda p: self.parallel.domain_of(p).comm.world if self.stage else 1,
-                               self.stage, device.type, self.offload_device, kept)
+        world_of = lambda p: self.parallel.domain_of(p).comm.world if self.stage else 1
+        check_model_states_fit(cfg, params, world_of, self.stage, device.type, self.offload_device, kept)
         self.partitions = Partitions(
             groups, names, self.parallel.domain_of, partitioned=self.stage >= 1, device=device,
-            sub_group_size=z.sub_group_size,
+            sub_group_size=sub_group_size(
+                cfg, sum(-(-p.numel() // world_of(p)) for p in params), self.offload_device == "nvme"),
             state_device=torch.device("cpu") if offload else None,
             # pinned host memory only speeds up copies to an accelerator
             pin_memory=offload and z.offload_optimizer.pin_memory and device.type != "cpu",

@@ -68,7 +68,6 @@ class NvmeOptimizerSwap:
                 g.weights = g.master.detach().to(device=weights_device, dtype=compute_dtype, copy=True)
             self.store.write(self._key(gi, "master"), g.master).result()
             g.master.set_(self._empty)
-        self._next_slot = 0
         self._read_back: tuple[int, torch.Tensor] | None = None
         partitions.master_reader = self.read_master
 
@@ -94,15 +93,16 @@ class NvmeOptimizerSwap:
         return self.partitions.groups[gi].layout.partition_numel
 
     def _take_slot(self) -> _Slot:
-        """The least recently used free slot (its pending writes finished first)."""
-        for _ in range(len(self.slots)):
-            slot = self.slots[self._next_slot]
-            self._next_slot = (self._next_slot + 1) % len(self.slots)
-            if slot.owner is None or slot.owner not in self.slot_of or self.slot_of[slot.owner] is not slot:
-                slot.settle_writes()
-                slot.owner = None
-                return slot
-        raise RuntimeError("every swap buffer holds a sub-group that is in use; raise offload_optimizer.buffer_count")
+        """A free slot, preferring one whose buffers exist and whose writes are done, so the pool grows only
+        to what the step really keeps in flight (one slot when the partition is one sub-group)."""
+        free = [s for s in self.slots if s.owner is None]
+        if not free:
+            raise RuntimeError("every swap buffer holds a sub-group in use; raise offload_optimizer.buffer_count")
+        ready = [s for s in free if s.buffers and all(f.done() for f in s.writes)]
+        empty = [s for s in free if not s.buffers]
+        slot = (ready or empty or free)[0]
+        slot.settle_writes()
+        return slot
 
     # ---- swapping ----------------------------------------------------------------------------------------
     def prefetch(self, gi: int) -> None:
@@ -194,9 +194,21 @@ class NvmeOptimizerSwap:
             self.flush()
             self._read_back = None
             self.slots = slots  # the extra buffers go with the extra slots
-            self._next_slot = 0
             for slot in self.slots:
                 slot.owner = None
+
+
+def sub_group_size(cfg, partition_elements: int, nvme: bool) -> int:
+    """``zero_optimization.sub_group_size``, or when it is left out: 1e9 elements (one sub-group per param
+    group in practice), and with the optimizer on NVMe 1/16 of the rank's partition, within 1e6..1e8
+    elements, so the swap pool (up to ``buffer_count`` sub-groups) stays a small part of what offload
+    saves."""
+    chosen = cfg.zero_optimization.sub_group_size
+    if chosen is not None:
+        return chosen
+    if not nvme:
+        return 1_000_000_000
+    return min(100_000_000, max(1_000_000, -(-partition_elements // 16)))
 
 
 def optimizer_state_bytes(cfg) -> int:

@@ -90,7 +90,7 @@ def swap_bytes(model: torch.nn.Module, cfg: Config, world: int) -> int:
     weights = 2 if cfg.compute_dtype != torch.float32 else 4
     kwargs = dict(
         block=cfg.aio.block_size,
-        sub_group_size=z.sub_group_size,
+        sub_group_size=z.sub_group_size or 1_000_000_000,  # unset: the engine's NVMe sub-groups are smaller
         param_bytes=weights if z.offload_param.device == "nvme" else 0,
         offload_optimizer=z.offload_optimizer.device == "nvme",
     )
@@ -136,7 +136,7 @@ def check_swap_fits(model: torch.nn.Module, cfg: Config, worlds: list[int], slot
             raise ConfigError(
                 f"the NVMe swap does not fit on node {host} ({node_id[:12]}): {ranks} rank(s) there at world size "
                 f"{world} keep {per_rank[world]:,} bytes each (ZeRO stage {z.stage}, fp32 master and optimizer "
-                f"state in {cfg.aio.block_size}-byte blocks per sub-group of {z.sub_group_size:,} elements), "
+                f"state in {cfg.aio.block_size}-byte blocks per sub-group of {z.sub_group_size or 1_000_000_000:,} elements), "
                 f"{need / GIB:.2f} GiB ({need:,} bytes) under {cap['path']}, and that disk has "
                 f"{cap['free_bytes'] / GIB:.2f} GiB ({cap['free_bytes']:,} bytes) free; free space there, point "
                 "nvme_path at a bigger local disk, use more workers or nodes, or offload to 'cpu' instead"
