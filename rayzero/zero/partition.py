@@ -21,9 +21,9 @@ class GroupPartition:
     domain: ReduceDomain  # where these parameters' gradients are reduced (DP, EDP, ...), see parallel/state.py
     user_group: int = 0  # the user's param group this partition group belongs to
     overrides: dict = field(default_factory=dict)  # the user's per-group hyper-parameters
-    # Where published / gathered weights are read from when the master is not resident (NVMe offload
-    # swaps it out between steps): a copy in the compute dtype kept on the compute device.  None: the
-    # master itself is the source (no second copy).
+    # Where published / gathered weights are read from when the master is not the source: a copy in the
+    # compute dtype, on the compute device while NVMe offload swaps the master out between steps, or in
+    # host memory with offload_param "cpu".  None: the master itself is the source (no second copy).
     weights: torch.Tensor | None = None
 
     @property
