@@ -44,11 +44,10 @@ import torch  # noqa: E402
 
 from bench_zero import (  # noqa: E402
     MIB, _provenance_line, _short_error, bucket_allowance, build_model, cpu_busy_s, deepspeed_available,
-    design_model_state_bytes, hwm_mib, make_batches, malloc_trim, param_count, reset_hwm, rss_mib, saved_activation_bytes,
-    setup_ddp, setup_fsdp2, source_provenance, warm_runtime,
+    design_model_state_bytes, hwm_mib, make_batches, malloc_trim, param_count, reset_hwm, rss_mib,
+    saved_activation_bytes, setup_ddp, setup_fsdp2, source_provenance, warm_runtime,
 )
 from spawn_ranks import free_port, spawn  # noqa: E402
-
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -182,7 +181,7 @@ def system_specs(a) -> list[dict]:
             subs = a.sub_groups if d == "nvme" else [None]
             for sg in subs:
                 tag = "" if d != "nvme" else ", sub_group " + (
-                    "default" if sg is None else f"{sg:.0e}".replace("e+0", "e"))
+                    "default" if sg is None else f"{sg:.3g}".replace("e+0", "e").replace("e+", "e"))
                 specs.append(dict(name=f"rayzero stage {s} {d}{tag}", kind="rayzero", stage=s, offload=d, sub_group=sg))
     for s in a.stages:
         for d in a.devices:
@@ -233,8 +232,12 @@ def theory_rayzero(spec: dict, a, world: int, engine) -> dict:
 
 def theory_peer(spec: dict, a, world: int) -> dict:
     zspec = {"kind": spec["kind"], "raf": spec.get("raf", True), "stage": spec.get("stage")}
-    if spec["kind"] == "deepspeed":
-        return dict(states_bytes=float("nan"), buckets_bytes=0.0, buckets_how="-", pool_bytes=0)
+    if spec["kind"] == "deepspeed":  # rayzero's per-parameter figures (DeepSpeed's design); its buckets not counted
+        from rayzero.offload.plan import ram_bytes_per_param
+
+        n = param_count(a.dim, a.hidden, a.blocks)
+        return dict(states_bytes=ram_bytes_per_param(spec["stage"], world, False, 8, spec["offload"]) * n,
+                    buckets_bytes=0.0, buckets_how="not counted", pool_bytes=0)
     buckets, how = bucket_allowance(zspec, a, world)
     return dict(states_bytes=design_model_state_bytes(zspec, a, world), buckets_bytes=buckets, buckets_how=how,
                 pool_bytes=0)
@@ -361,7 +364,8 @@ def _summarise(spec: dict, ranks: list[dict]) -> dict:
         if k in ranks[0]:
             res[k] = ranks[0][k]
     # per-step phase times and swap counters, of the slowest rank
-    for key in ("adam", "swap_step", "wait", *WAITS.values(), "bytes_read", "bytes_written", "read_seconds", "write_seconds"):
+    for key in ("adam", "swap_step", "wait", *WAITS.values(), "bytes_read", "bytes_written", "read_seconds",
+                "write_seconds"):
         res[key] = _median_of(slow["per_step"], key)
     return res
 
@@ -511,7 +515,8 @@ def render(rows: list[dict], meta: dict) -> str:
         "",
         "step ms: per rank the median over the timed steps, the slowest rank, then the median over rounds. optimizer "
         "phase: for NVMe the time in the swap step (read, step, write every sub-group), in brackets the time inside "
-        "optimizer.step() (for NVMe summed over sub-groups); for the others optimizer.step() alone. swap MB/step: the swap store's "
+        "optimizer.step() (for NVMe summed over sub-groups); for the others optimizer.step() alone. swap MB/step: "
+        "the swap store's "
         "byte counters over one step (10^6 B). disk GB/s: those bytes over the summed duration of the store's "
         "I/O calls (its busy time). blocked on swap I/O: time the step spends in swap_in (read: waiting for a "
         "sub-group's reads), taking a slot (slot: waiting for its earlier writes) and the final flush (flush: the "
@@ -532,13 +537,14 @@ def render(rows: list[dict], meta: dict) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=None, help="timed steps per system (default 10; --quick: 3)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; --quick 1); NVMe needs >= 1 "
-                   "for the optimizer state to exist on disk")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; --quick 1); the first step "
+                   "creates the optimizer state (with NVMe it reads only the masters), so keep >= 1")
     p.add_argument("--rounds", type=int, default=None, help="rounds, systems taking turns (default 3; --quick 1)")
     p.add_argument("--stages", default="1,2,3", help="ZeRO stages (default 1,2,3)")
     p.add_argument("--devices", default="none,cpu,nvme", help="offload_optimizer devices (default none,cpu,nvme)")
     p.add_argument("--sub-group-sizes", default=None,
-                   help="sub_group_size values for the nvme rows ('default' leaves the key out; default 'default,1e9,5e6'; --quick 'default,1e9,3000')")
+                   help="sub_group_size values for the nvme rows ('default' leaves the key out; default "
+                        "'default,1e9,5e6'; --quick 'default,1e9,3000')")
     p.add_argument("--swap-dir", default=None,
                    help="directory on the disk to swap to; the bench makes and removes a fresh subdirectory "
                         "(default: under the system temp dir)")
