@@ -38,7 +38,7 @@ from rayzero.zero.stage12 import GradientReducer, WeightPublisher
 from rayzero.zero.init import materialize_frozen
 from rayzero.zero.stage3 import ParamGatherer, freed_by_destroy
 from rayzero.offload.optimizer import (
-    NvmeOptimizerSwap, check_model_states_fit, optimizer_state_bytes, resolve_offload_device, sub_group_size,
+    NvmeOptimizerSwap, check_model_states_fit, resolve_offload_device, sub_group_size,
 )
 
 
@@ -187,9 +187,13 @@ class Engine:
             self._optimizer_config(), [dict(params=[g.master], **g.overrides) for g in self.partitions.groups]
         )
         self.swap: NvmeOptimizerSwap | None = None
-        self._swap_lease = self._swap_store = None
+        self._rank_swap: RankSwap | None = None
         if "nvme" in (self.offload_device, z.offload_param.device):
-            self._start_nvme_swap(device)
+            from rayzero.offload.rank_swap import RankSwap
+
+            self._rank_swap = RankSwap(cfg, self.rank, self.partitions, self.optimizer, self.compute_dtype, device,
+                                       optimizer_nvme=self.offload_device == "nvme")
+            self.swap = self._rank_swap.optimizer_swap
         elif z.offload_param.device == "cpu":
             # stage 3's weight partitions in host memory, in the compute dtype: gathers read them from there
             for g in self.partitions.groups:
@@ -213,60 +217,15 @@ class Engine:
         self._timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._checkpoint = CheckpointIO(self)
 
-    def _start_nvme_swap(self, device: torch.device) -> None:
-        """The rank's swap directory and store: the masters (and optimizer state after each step) move there
-        with offload_optimizer on NVMe, the compute-dtype weight shards with offload_param on NVMe."""
-        from rayzero.offload.params import NvmeParamSwap
-        from rayzero.offload.swap_dirs import acquire_swap_dir
-        from rayzero.offload.swap_store import SwapStore
-
-        cfg = self.config
-        z, aio = cfg.zero_optimization, cfg.aio
-        optimizer_nvme = self.offload_device == "nvme"
-        params_nvme = z.offload_param.device == "nvme"
-        path = z.offload_optimizer.nvme_path if optimizer_nvme else z.offload_param.nvme_path
-        self._swap_lease = acquire_swap_dir(path, self.rank)
-        try:
-            self._swap_store = SwapStore(
-                self._swap_lease.path, block_size=aio.block_size, queue_depth=aio.queue_depth,
-                thread_count=aio.thread_count,
-            )
-            self._swap_store.check_free_space(self._swap_bytes(optimizer_nvme, params_nvme))
-            if params_nvme:
-                self.partitions.param_swap = NvmeParamSwap(self._swap_store, self.compute_dtype, z.offload_param.max_in_cpu)
-                self.partitions.refresh_weights()  # every shard written once from the masters
-            if optimizer_nvme:
-                self.swap = NvmeOptimizerSwap(
-                    self.partitions, self.optimizer, self._swap_store, z.offload_optimizer.buffer_count,
-                    self.compute_dtype, torch.device("cpu") if z.offload_param.device == "cpu" else device,
-                    keep_weights=not params_nvme,
-                )
-        except BaseException:
-            self._close_swap()
-            raise
-
-    def _swap_bytes(self, optimizer_nvme: bool, params_nvme: bool) -> int:
-        """What the swap files will hold: per sub-group the master and the optimizer's fp32 state tensors,
-        and per parameter its compute-dtype shard, each padded to whole O_DIRECT blocks."""
-        from rayzero.offload.swap_store import ALIGNMENT
-
-        padded = lambda nbytes: -(-nbytes // ALIGNMENT) * ALIGNMENT
-        tensors = 1 + optimizer_state_bytes(self.config) // 4
-        total = 0
-        for g in self.partitions.groups:
-            if optimizer_nvme:
-                total += tensors * padded(g.layout.partition_numel * 4)
-            if params_nvme:
-                size = torch.finfo(self.compute_dtype).bits // 8
-                total += sum(padded(e.chunk * size) for e in g.layout.entries)
-        return total
+    @property
+    def _swap_store(self):
+        """The rank's swap store (NVMe offload), else None."""
+        return self._rank_swap.store if self._rank_swap is not None else None
 
     def _close_swap(self) -> None:
-        if self._swap_store is not None:
-            self._swap_store.close(remove_files=True)
-        if self._swap_lease is not None:
-            self._swap_lease.release()
-        self._swap_store = self._swap_lease = self.swap = None
+        if self._rank_swap is not None:
+            self._rank_swap.close()
+        self._rank_swap = self.swap = None
 
     # ---- set-up helpers --------------------------------------------------------------------------------
     @staticmethod
