@@ -8,7 +8,6 @@ scaler (``optim/``), and torch's own optimizer running on the fp32 master partit
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import math
 import time
@@ -155,6 +154,7 @@ class Engine:
                 self.compute_dtype,
                 z.stage3_param_persistence_threshold,
                 prefetch=z.overlap_comm and z.stage3_prefetch_bucket_size > 0,
+                accelerator=self.accelerator,
             )
         self.reducer = GradientReducer(
             self.partitions,
@@ -511,13 +511,8 @@ class Engine:
         process exit waits for it, and a failed background write raises there.  Returns the tag.
         """
         self._check_alive()
-        with self._optimizer_resident(write_back=False):
-            return self._checkpoint.save(save_dir, tag, client_state, async_save)
-
-    def _optimizer_resident(self, write_back: bool):
-        """With NVMe offload, the whole optimizer state in memory for a checkpoint save or load."""
-        # (an async save snapshots into its own buffers before it returns, so the swap buffers can go)
-        return self.swap.all_resident(write_back) if self.swap is not None else contextlib.nullcontext()
+        # (with NVMe offload the optimizer's sub-groups are read one at a time while they are written)
+        return self._checkpoint.save(save_dir, tag, client_state, async_save)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, strict: bool = True) -> Any:
         """Load a universal checkpoint saved at any world size and stage; returns its ``client_state``.
@@ -531,8 +526,8 @@ class Engine:
         self.partitions.zero_grads()
         error = None
         try:
-            with self._optimizer_resident(write_back=True):
-                client_state, self.load_report = checkpoint_load(self, load_dir, tag, strict)
+            # (with NVMe offload each sub-group is loaded into a swap buffer and written to its files)
+            client_state, self.load_report = checkpoint_load(self, load_dir, tag, strict)
         except Exception as e:  # every rank must agree before anyone continues
             error = e
         failed = torch.tensor([1.0 if error is not None else 0.0])

@@ -94,10 +94,12 @@ def resume_run(rank: int, world: int, stage: int, device: str, ckpt_dir: str, sw
     engine.destroy()
     engine = build(load_device or device)
     engine.load_checkpoint(ckpt_dir, tag="s2")
-    if engine.swap is not None:
-        with engine.swap.all_resident(write_back=False):
-            states = [(str(v.dtype), v.device.type) for st in engine.optimizer.state.values() for v in st.values()
-                      if torch.is_tensor(v) and v.numel() > 1]
+    if engine.swap is not None:  # the loaded state is in the swap files: look at it one sub-group at a time
+        states = []
+        for gi, g in enumerate(engine.partitions.groups):
+            with engine.swap.group_resident(gi):
+                states += [(str(v.dtype), v.device.type) for v in engine.optimizer.state[g.master].values()
+                           if torch.is_tensor(v) and v.numel() > 1]
     else:
         states = [(str(v.dtype), v.device.type) for st in engine.optimizer.state.values() for v in st.values()
                   if torch.is_tensor(v) and v.numel() > 1]

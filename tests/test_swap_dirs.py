@@ -211,8 +211,8 @@ def _nodes(*gib, source="cgroup v2 memory.max"):
 def _gib_model():
     import torch
 
-    with torch.device("meta"):
-        return torch.nn.Linear(2**15, 2**15, bias=False)  # 2**30 parameters
+    with torch.device("meta"):  # 2**30 parameters in 16 layers (an NVMe sub-group never splits a parameter)
+        return torch.nn.Sequential(*[torch.nn.Linear(2**13, 2**13, bias=False) for _ in range(16)])
 
 
 def _cfg(device, stage=3, path="/nvme"):
@@ -228,7 +228,8 @@ def test_auto_offload_is_decided_on_the_node_reports():
     from rayzero.train.offload_check import resolve_auto
 
     two = ClusterConfig.from_any({"workers": (2, 4)})
-    # stage 3 on 2 workers: 8 GiB of model state each in memory, 4 GiB with the optimizer on NVMe
+    # stage 3 on 2 workers: 8 GiB of model state each in memory; with the optimizer on NVMe 4 GiB, plus a
+    # swap pool of 4 sub-groups of 2**25 elements (one layer's partition) x 12 bytes (master, 2 moments)
     cfg = _cfg("auto")
     note = resolve_auto(_gib_model(), cfg, two, _nodes(10, 10))
     assert cfg.zero_optimization.offload_optimizer.device == "none"
@@ -238,7 +239,7 @@ def test_auto_offload_is_decided_on_the_node_reports():
     cfg = _cfg("auto")
     note = resolve_auto(_gib_model(), cfg, two, _nodes(6, 6))
     assert cfg.zero_optimization.offload_optimizer.device == "nvme"
-    assert "auto -> nvme" in note and "which do not fit; with the optimizer on NVMe they need 4.00 GiB" in note
+    assert "auto -> nvme" in note and "which do not fit; with the optimizer on NVMe they need 5.50 GiB" in note
     _check_fits(_gib_model(), cfg, two, _nodes(6, 6))  # fits only because of NVMe, and passes
     with pytest.raises(rayzero.ConfigError, match="or offload the optimizer to NVMe"):
         _check_fits(_gib_model(), _cfg("none"), two, _nodes(6, 6))
@@ -294,3 +295,35 @@ def test_nvme_paths_become_absolute_and_must_agree():
                                                   "offload_param": {"device": "nvme", "nvme_path": os.path.abspath("rel/dir")}}})
     absolute_nvme_paths(same)
     assert same.zero_optimization.offload_param.nvme_path == same.zero_optimization.offload_optimizer.nvme_path
+
+
+def test_swap_pool_bytes_counts_the_slots_a_step_keeps_in_memory():
+    from rayzero.offload.plan import swap_pool_bytes
+
+    # 4 slots of a 1e6-element sub-group, each with the fp32 master and AdamW's two moments
+    assert swap_pool_bytes(16_000_000, 1_000_000, 4, 8) == 4 * 1_000_000 * 3 * 4
+    assert swap_pool_bytes(16_000_000, 1_000_000, 6, 12) == 6 * 1_000_000 * 4 * 4  # amsgrad: a third state
+    assert swap_pool_bytes(16_000_000, 1_000_000, 1, 0) == 2 * 1_000_000 * 4  # never fewer than 2 slots (SGD)
+    assert swap_pool_bytes(2_500_000, 1_000_000, 8, 8) == 3 * 1_000_000 * 12  # no more slots than sub-groups
+    assert swap_pool_bytes(500, 1_000_000, 4, 8) == 500 * 12  # one sub-group smaller than sub_group_size
+    assert swap_pool_bytes(0, 1_000_000, 4, 8) == 0
+
+
+def test_nvme_start_up_check_counts_the_swap_pool():
+    """The pool is what NVMe offload keeps in memory beside the per-parameter bytes: the engine's start-up
+    check and ``auto`` count it."""
+    import torch
+
+    from rayzero.config import Config
+    from rayzero.offload.optimizer import pool_bytes, sub_group_size
+    from rayzero.offload.plan import swap_pool_bytes
+
+    cfg = Config.from_any({"zero_optimization": {"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": "/nvme", "buffer_count": 5}}})
+    params = [torch.empty(4000, 1000, device="meta") for _ in range(8)]  # 32M elements, 8M per rank of 4
+    sub = sub_group_size(cfg, 8_000_000, nvme=True)
+    assert sub == 1_000_000  # 1/16 of the partition, at least 1e6
+    # a parameter's partition (1M) is one sub-group: 5 slots of 1M elements x 12 bytes
+    assert pool_bytes(cfg, params, lambda p: 4) == swap_pool_bytes(8_000_000, 1_000_000, 5, 8) == 5 * 12_000_000
+    big = [torch.empty(32_000_000, device="meta")]  # one parameter: its whole partition is one sub-group
+    assert pool_bytes(cfg, big, lambda p: 4) == 8_000_000 * 12

@@ -28,6 +28,7 @@ from rayzero.checkpoint.format import (
     STATE_MASTER,
     STATE_WHOLE,
     CheckpointError,
+    Deferred,
     Fragment,
     FragmentFile,
     dtype_name,
@@ -70,12 +71,22 @@ def _save_range(engine: "Engine", entry) -> tuple[int, int]:
     return min(rank * chunk, entry.numel), min((rank + 1) * chunk, entry.numel)
 
 
+def _swapped(engine: "Engine", gi: int) -> bool:
+    """Whether group ``gi``'s master and optimizer state are in the NVMe swap files right now."""
+    swap = getattr(engine, "swap", None)
+    return swap is not None and swap.swapped_out(gi)
+
+
 def _tensor_states(engine: "Engine") -> dict[int, dict[str, torch.Tensor]]:
-    """Per group: the optimizer's state tensors shaped like the master partition."""
+    """Per group: the optimizer's state tensors shaped like the master partition (for a group swapped out
+    to NVMe, the optimizer's placeholders under the names its swap files hold)."""
     out = {}
     for gi, g in enumerate(engine.partitions.groups):
         state = engine.optimizer.state.get(g.master, {})
-        out[gi] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == g.master.shape}
+        if _swapped(engine, gi):
+            out[gi] = {k: state[k] for k in engine.swap.tensor_state_names(gi) if k in state}
+        else:
+            out[gi] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == g.master.shape}
     return out
 
 
@@ -108,19 +119,15 @@ def snapshot(engine: "Engine", staging: dict | None) -> list[Fragment]:
         buf.copy_(t)
         return buf
 
-    states = _tensor_states(engine)
+    names = {gi: list(d) for gi, d in _tensor_states(engine).items()}
     for gi, g in enumerate(engine.partitions.groups):
-        for e in g.layout.entries:
-            lo, hi = _local_range(engine, e)
-            s0, s1 = _save_range(engine, e)
-            if s1 <= s0:
-                continue
-            a, b = e.partition_offset + s0 - lo, e.partition_offset + s1 - lo
-            # fragments address the model's full tensor: an EP/TP slice sits at its canonical offset
-            c0, c1 = e.canonical_offset + s0, e.canonical_offset + s1
-            frags.append(Fragment(e.name, STATE_MASTER, c0, c1, take(g.master[a:b], (e.name, STATE_MASTER))))
-            for name, flat in states[gi].items():
-                frags.append(Fragment(e.name, name, c0, c1, take(flat[a:b], (e.name, name))))
+        if not _swapped(engine, gi):
+            frags += _group_fragments(engine, gi, names[gi], take)
+        elif staging is not None:  # a save that overlaps training: copied now, one sub-group at a time
+            with engine.swap.group_resident(gi):
+                frags += _group_fragments(engine, gi, names[gi], take)
+        else:  # read by the writer while the group is resident (write_rank's open_group)
+            frags += _group_fragments(engine, gi, names[gi], None)
     for name, t in _whole_tensors(engine).items():
         splits = splits_of(t)
         if splits:  # a frozen EP/TP slice: its first holder writes it at its canonical offset
@@ -129,6 +136,31 @@ def snapshot(engine: "Engine", staging: dict | None) -> list[Fragment]:
                 frags.append(Fragment(name, STATE_WHOLE, at, at + t.numel(), take(t.reshape(-1), (name, STATE_WHOLE))))
         elif engine.rank == 0:
             frags.append(Fragment(name, STATE_WHOLE, 0, t.numel(), take(t.reshape(-1), (name, STATE_WHOLE))))
+    return frags
+
+
+def _group_fragments(engine: "Engine", gi: int, names: list[str], take) -> list[Fragment]:
+    """Group ``gi``'s fragments: the master and optimizer state slices this rank saves.  Without ``take``
+    they are deferred: their data is read when the writer makes the group resident."""
+    g = engine.partitions.groups[gi]
+    state_of = lambda: engine.optimizer.state[g.master]  # the live tensors, whichever buffers hold them now
+    frags = []
+    for e in g.layout.entries:
+        lo, hi = _local_range(engine, e)
+        s0, s1 = _save_range(engine, e)
+        if s1 <= s0:
+            continue
+        a, b = e.partition_offset + s0 - lo, e.partition_offset + s1 - lo
+        # fragments address the model's full tensor: an EP/TP slice sits at its canonical offset
+        c0, c1 = e.canonical_offset + s0, e.canonical_offset + s1
+        if take is None:
+            frags.append(Fragment(e.name, STATE_MASTER, c0, c1, Deferred(gi, lambda a=a, b=b: g.master[a:b].detach())))
+            for name in names:
+                frags.append(Fragment(e.name, name, c0, c1, Deferred(gi, lambda n=name, a=a, b=b: state_of()[n][a:b])))
+            continue
+        frags.append(Fragment(e.name, STATE_MASTER, c0, c1, take(g.master[a:b], (e.name, STATE_MASTER))))
+        for name in names:
+            frags.append(Fragment(e.name, name, c0, c1, take(state_of()[name][a:b], (e.name, name))))
     return frags
 
 
@@ -327,8 +359,10 @@ class CheckpointIO:
         def with_ranks(markers: list[dict]) -> dict:
             return {**manifest_now, "rng": [m.pop("rng") for m in markers], "files": markers}
 
+        open_group = engine.swap.group_resident if getattr(engine, "swap", None) is not None else None
+
         def work() -> None:
-            write_rank(storage, staging_dir(storage, tag), rank, fragments, extra)
+            write_rank(storage, staging_dir(storage, tag), rank, fragments, extra, open_group)
             fragments.clear()
             if rank == 0:
                 commit(storage, tag, world, with_ranks)
@@ -479,38 +513,26 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
     index = FragmentIndex(storage, tag, manifest)
 
     torch_state: dict[int, dict] = {}
+    swap = getattr(engine, "swap", None)  # NVMe offload: one sub-group in memory at a time
     for gi, (g, group) in enumerate(zip(engine.partitions.groups, engine.optimizer.param_groups)):
         loaded = [e.name in loadable for e in g.layout.entries]
         complete = all(loaded)  # then every element gets overwritten
-        new = torch.empty_like if complete else torch.zeros_like
         names = [n for n in state_names if STATE_USED_WHEN.get(n, lambda _: True)(group)]
-        flats = {name: new(g.master) for name in names}
-        step_info = None
-        for p, e in zip(g.params, g.layout.entries):
-            if e.name not in loadable:
+        if swap is not None and swap.swapped_out(gi):
+            if not any(loaded):  # nothing of it in the checkpoint: it keeps its master and starts fresh
+                if same_optimizer:
+                    swap.state_names[gi] = []
                 continue
-            saved_name = saved_params[e.name]["name"]
-            lo, hi = _local_range(engine, e)
-            for name, flat in flats.items():  # padding past the owned range stays zero
-                flat[e.partition_offset + hi - lo : e.partition_offset + e.chunk].zero_()
-            if hi > lo:
-                fill = slice_filler(index, saved_params[e.name], e)
-                fill(saved_name, STATE_MASTER, lo, hi, g.master[e.partition_offset : e.partition_offset + hi - lo])
-                for name, flat in flats.items():
-                    fill(saved_name, name, lo, hi, flat[e.partition_offset : e.partition_offset + hi - lo])
-            if step_info is None and saved_name in saved_group_of:
-                step_info = saved_group_of[saved_name].get("state", {})
-        # A group of only new parameters (strict=False) gets no state: torch starts it fresh, at step 0.
-        if same_optimizer and any(loaded) and (flats or step_info):
-            st: dict[str, Any] = dict(flats)
-            for k, info in (step_info or {}).items():
-                if info["kind"] == "tensor":
-                    st[k] = torch.tensor(info["value"], dtype=getattr(torch, info["dtype"]))
-                else:
-                    st[k] = int(info["value"]) if info["kind"] == "int" else float(info["value"])
-            for name in STATE_STARTS_AT_ZERO:  # turned on by the config since the save
-                if name not in st and STATE_USED_WHEN[name](group) and "step" in st:
-                    st[name] = torch.zeros_like(g.master)
+            with swap.loading(gi, names if same_optimizer else None, keep_master=not complete) as flats:
+                st = _load_group(engine, index, g, group, flats, loadable, saved_params, saved_group_of,
+                                 same_optimizer)
+            if st is not None:
+                torch_state[gi] = {k: swap.placeholder if k in flats else v for k, v in st.items()}
+            continue
+        new = torch.empty_like if complete else torch.zeros_like
+        flats = {name: new(g.master) for name in names}
+        st = _load_group(engine, index, g, group, flats, loadable, saved_params, saved_group_of, same_optimizer)
+        if st is not None:
             torch_state[gi] = st
     if same_optimizer:
         warn_hparam_differences(engine, loadable, saved_params, saved_group_of)
@@ -522,7 +544,50 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
         # torch's own loader puts each value where this optimizer keeps it: fused/capturable steps as
         # tensors on the parameter's device, others as CPU tensors; moments in the parameter's dtype.
         engine.optimizer.load_state_dict({"state": torch_state, "param_groups": groups})
+    if swap is not None:
+        swap.flush()
+    _load_whole(engine, index, manifest, strict)
+    _load_counters(engine, manifest)
+    return manifest.get("client_state"), problems
 
+
+def _load_group(engine: "Engine", index: FragmentIndex, g, group: dict, flats: dict[str, torch.Tensor],
+                loadable: set[str], saved_params: dict, saved_group_of: dict, same_optimizer: bool) -> dict | None:
+    """Fill group ``g``'s master and the optimizer state tensors ``flats`` from the checkpoint; return the
+    group's optimizer state for torch's loader (None: the group starts fresh)."""
+    loaded = [e.name in loadable for e in g.layout.entries]
+    step_info = None
+    for p, e in zip(g.params, g.layout.entries):
+        if e.name not in loadable:
+            continue
+        saved_name = saved_params[e.name]["name"]
+        lo, hi = _local_range(engine, e)
+        for name, flat in flats.items():  # padding past the owned range stays zero
+            flat[e.partition_offset + hi - lo : e.partition_offset + e.chunk].zero_()
+        if hi > lo:
+            fill = slice_filler(index, saved_params[e.name], e)
+            fill(saved_name, STATE_MASTER, lo, hi, g.master[e.partition_offset : e.partition_offset + hi - lo])
+            for name, flat in flats.items():
+                fill(saved_name, name, lo, hi, flat[e.partition_offset : e.partition_offset + hi - lo])
+        if step_info is None and saved_name in saved_group_of:
+            step_info = saved_group_of[saved_name].get("state", {})
+    # A group of only new parameters (strict=False) gets no state: torch starts it fresh, at step 0.
+    if not (same_optimizer and any(loaded) and (flats or step_info)):
+        return None
+    st: dict[str, Any] = dict(flats)
+    for k, info in (step_info or {}).items():
+        if info["kind"] == "tensor":
+            st[k] = torch.tensor(info["value"], dtype=getattr(torch, info["dtype"]))
+        else:
+            st[k] = int(info["value"]) if info["kind"] == "int" else float(info["value"])
+    for name in STATE_STARTS_AT_ZERO:  # turned on by the config since the save
+        if name not in st and STATE_USED_WHEN[name](group) and "step" in st:
+            st[name] = torch.zeros_like(g.master)
+    return st
+
+
+def _load_whole(engine: "Engine", index: FragmentIndex, manifest: dict, strict: bool) -> None:
+    """Buffers and frozen parameters, saved whole (or as their EP/TP slices)."""
     saved_whole = {w["name"]: w for w in manifest.get("whole", [])}
     for name, t in _whole_tensors(engine).items():
         if (name, STATE_WHOLE) in index.where:
@@ -538,6 +603,9 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
         elif strict:
             raise CheckpointError(f"the checkpoint has no buffer or frozen parameter {name!r}; load with strict=False")
 
+
+def _load_counters(engine: "Engine", manifest: dict) -> None:
+    """Scheduler, loss scaler, step counters and RNG streams."""
     if manifest.get("scheduler") is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(manifest["scheduler"])
     engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
@@ -553,4 +621,3 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
     else:
         # new ranks: derive each data shard's streams afresh (the ranks of a TP group share theirs)
         _rederive_rng(engine.config.seed, engine.global_steps, engine.dp_rank)
-    return manifest.get("client_state"), problems

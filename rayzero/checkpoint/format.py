@@ -17,9 +17,11 @@ footer alone and reads only that batch: memory-mapped locally, as ranged reads o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -71,6 +73,15 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 @dataclass(frozen=True)
+class Deferred:
+    """A fragment's data that is only in memory while its ``group`` is made resident (the optimizer's
+    sub-groups under NVMe offload): ``get()`` returns the 1-D CPU tensor then."""
+
+    group: int
+    get: Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
 class Fragment:
     """Elements ``[start, end)`` of the flattened parameter ``param``'s state ``state``."""
 
@@ -78,50 +89,81 @@ class Fragment:
     state: str
     start: int
     end: int
-    tensor: torch.Tensor  # 1-D, contiguous, on the CPU, ``end - start`` elements
+    tensor: torch.Tensor | Deferred  # 1-D, contiguous, on the CPU, ``end - start`` elements
 
 
 def _raw_bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy()
 
 
-def write_fragments(sink, fragments: list[Fragment]) -> list[dict]:
-    """Write one record batch per fragment into ``sink`` (a pyarrow-compatible output); return the index."""
+def _tensors(fragments: list[Fragment], open_group: Callable[[int], ContextManager] | None
+             ) -> Iterator[tuple[Fragment, torch.Tensor]]:
+    """Each fragment with its tensor; a deferred one's group is made resident (``open_group``) for the run
+    of consecutive fragments it has, so one group at a time is in memory."""
+    with contextlib.ExitStack() as stack:
+        current = None
+        for f in fragments:
+            t = f.tensor
+            if isinstance(t, Deferred):
+                if t.group != current:
+                    stack.close()
+                    if open_group is None:
+                        raise ValueError("a deferred fragment needs open_group to make its group resident")
+                    stack.enter_context(open_group(t.group))
+                    current = t.group
+                t = t.get()
+            elif current is not None:
+                stack.close()
+                current = None
+            yield f, t
+
+
+def write_fragments(sink, fragments: list[Fragment], open_group: Callable[[int], ContextManager] | None = None
+                    ) -> list[dict]:
+    """Write one record batch per fragment into ``sink`` (a pyarrow-compatible output); return the index.
+
+    The index (with every fragment's hash) goes into the schema, which comes first in the file, so deferred
+    fragments are brought in twice, one group at a time: once to hash them, once to write them (and their
+    hash is checked again then: nothing may change them in between)."""
     index = []
-    raws = []
-    for f in fragments:
-        raw = _raw_bytes(f.tensor)
-        raws.append(raw)
-        index.append(
-            {
-                "param": f.param,
-                "state": f.state,
-                "start": f.start,
-                "end": f.end,
-                "dtype": dtype_name(f.tensor.dtype),
-                "xxh3": xxhash.xxh3_64_intdigest(raw),
-            }
-        )
+    raws: list[np.ndarray | None] = []
+    with contextlib.closing(_tensors(fragments, open_group)) as items:  # closed (group released) on errors too
+        for f, t in items:
+            _hash_into(index, raws, f, t)
     schema = SCHEMA.with_metadata({INDEX_KEY: json.dumps(index, separators=(",", ":")).encode()})
-    with pa.ipc.new_file(sink, schema) as writer:
-        for entry, raw in zip(index, raws):
-            data_buf = pa.py_buffer(raw)  # zero-copy view of the tensor's bytes
-            offsets = pa.py_buffer(np.array([0, raw.nbytes], dtype=np.int64))
-            data = pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, data_buf])
-            batch = pa.record_batch(
-                [
-                    pa.array([entry["param"]], pa.string()),
-                    pa.array([entry["state"]], pa.string()),
-                    pa.array([entry["start"]], pa.int64()),
-                    pa.array([entry["end"]], pa.int64()),
-                    pa.array([entry["dtype"]], pa.string()),
-                    pa.array([entry["xxh3"]], pa.uint64()),
-                    data,
-                ],
-                schema=schema,
-            )
-            writer.write_batch(batch)
+    with pa.ipc.new_file(sink, schema) as writer, contextlib.closing(_tensors(fragments, open_group)) as items:
+        for entry, raw, (f, t) in zip(index, raws, items):
+            if raw is None:
+                raw = _raw_bytes(t)
+                if xxhash.xxh3_64_intdigest(raw) != entry["xxh3"]:
+                    raise CheckpointError(f"{f.param}/{f.state} [{f.start}, {f.end}) changed while it was being saved")
+            writer.write_batch(_batch(schema, entry, raw))
     return index
+
+
+def _hash_into(index: list[dict], raws: list, f: Fragment, t: torch.Tensor) -> None:
+    raw = _raw_bytes(t)
+    raws.append(None if isinstance(f.tensor, Deferred) else raw)  # a deferred one is not kept
+    index.append({"param": f.param, "state": f.state, "start": f.start, "end": f.end, "dtype": dtype_name(t.dtype),
+                  "xxh3": xxhash.xxh3_64_intdigest(raw)})
+
+
+def _batch(schema: pa.Schema, entry: dict, raw: np.ndarray) -> pa.RecordBatch:
+    data_buf = pa.py_buffer(raw)  # zero-copy view of the tensor's bytes
+    offsets = pa.py_buffer(np.array([0, raw.nbytes], dtype=np.int64))
+    data = pa.LargeBinaryArray.from_buffers(pa.large_binary(), 1, [None, offsets, data_buf])
+    return pa.record_batch(
+        [
+            pa.array([entry["param"]], pa.string()),
+            pa.array([entry["state"]], pa.string()),
+            pa.array([entry["start"]], pa.int64()),
+            pa.array([entry["end"]], pa.int64()),
+            pa.array([entry["dtype"]], pa.string()),
+            pa.array([entry["xxh3"]], pa.uint64()),
+            data,
+        ],
+        schema=schema,
+    )
 
 
 class FragmentFile:

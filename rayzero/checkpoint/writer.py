@@ -21,7 +21,7 @@ import json
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, ContextManager
 
 from rayzero.checkpoint.format import LATEST, MANIFEST, CheckpointError, Fragment, rank_file_name, write_fragments
 from rayzero.checkpoint.storage import HashingWriter, Storage
@@ -61,8 +61,10 @@ def prepare(storage: Storage, tag: str) -> None:
         storage.write_bytes_atomic(f"{stage}/{INCOMPLETE}", b"")
 
 
-def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment], extra: dict) -> None:
-    """Write this rank's fragment file and its done marker (or an error marker, then re-raise)."""
+def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment], extra: dict,
+               open_group: Callable[[int], ContextManager] | None = None) -> None:
+    """Write this rank's fragment file and its done marker (or an error marker, then re-raise).
+    ``open_group`` makes a deferred fragment's group resident (``format.write_fragments``)."""
     final = f"{stage}/{rank_file_name(rank)}" if not storage.local else os.path.join(stage, rank_file_name(rank))
     try:
         tmp = final + ".partial"
@@ -74,7 +76,7 @@ def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment
         import pyarrow as pa
 
         with pa.PythonFile(sink, mode="w") as out:
-            index = write_fragments(out, fragments)
+            index = write_fragments(out, fragments, open_group)
         sink.close()
         if storage.local:
             os.replace(tmp, final)

@@ -33,7 +33,10 @@ class _Slot:
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
-        self.owner: int | None = None  # the group index whose tensors the buffers hold
+        self.owner: int | None = None  # the sub-group being stepped (or read for it) with these buffers
+        # the sub-group whose current values the buffers still hold after it was written back (None: none):
+        # a later step takes the slot as it is instead of reading the files again
+        self.holds: int | None = None
         self.reads: list[Future] = []
         self.writes: list[Future] = []
 
@@ -69,6 +72,8 @@ class NvmeOptimizerSwap:
             self.store.write(self._key(gi, "master"), g.master).result()
             g.master.set_(self._empty)
         self._read_back: tuple[int, torch.Tensor] | None = None
+        self._reverse = False  # every other step runs the sub-groups backwards: the pool's last ones go first
+        self.reads_skipped = 0  # sub-groups taken from the pool instead of the files (for tests and benches)
         partitions.master_reader = self.read_master
 
     def read_master(self, gi: int) -> torch.Tensor:
@@ -92,25 +97,43 @@ class NvmeOptimizerSwap:
     def _numel(self, gi: int) -> int:
         return self.partitions.groups[gi].layout.partition_numel
 
-    def _take_slot(self) -> _Slot:
-        """A free slot, preferring one whose buffers exist and whose writes are done, so the pool grows only
-        to what the step really keeps in flight (one slot when the partition is one sub-group)."""
+    def _take_slot(self, soon: set[int]) -> _Slot:
+        """A free slot for a read, preferring one whose buffers exist and whose writes are done, so the pool
+        grows only to what the step really keeps in flight (one slot when the partition is one sub-group),
+        and one that does not hold a sub-group in ``soon`` (still to be stepped this step)."""
         free = [s for s in self.slots if s.owner is None]
         if not free:
             raise RuntimeError("every swap buffer holds a sub-group in use; raise offload_optimizer.buffer_count")
+        spare = lambda s: s.holds is None or s.holds not in soon
         ready = [s for s in free if s.buffers and all(f.done() for f in s.writes)]
         empty = [s for s in free if not s.buffers]
-        slot = (ready or empty or free)[0]
+        slot = ([s for s in ready if spare(s)] or empty or [s for s in free if spare(s)] or ready or free)[0]
         slot.settle_writes()
+        slot.holds = None
         return slot
 
+    def invalidate(self) -> None:
+        """The files changed (a checkpoint load): nothing the pool still holds may be used again."""
+        for slot in self.slots:
+            slot.holds = None
+        self._read_back = None
+
     # ---- swapping ----------------------------------------------------------------------------------------
-    def prefetch(self, gi: int) -> None:
-        """Start reading sub-group ``gi`` into a buffer; a sub-group that already holds one keeps it."""
+    def prefetch(self, gi: int, soon: set[int] = frozenset()) -> None:
+        """Start reading sub-group ``gi`` into a buffer; a sub-group that already holds one keeps it, and one
+        whose values are still in a free slot takes that slot back without reading."""
         if gi in self.slot_of:
             return
-        slot = self._take_slot()
+        kept = [s for s in self.slots if s.owner is None and s.holds == gi]
+        if kept:
+            slot = kept[0]
+            slot.owner = gi
+            self.slot_of[gi] = slot
+            self.reads_skipped += 1
+            return
+        slot = self._take_slot(soon)
         slot.owner = gi
+        slot.holds = gi
         numel = self._numel(gi)
         slot.reads = [self.store.read(self._key(gi, "master"), slot.buffer("master", numel))]
         for name in self.state_names.get(gi, []):
@@ -124,6 +147,7 @@ class NvmeOptimizerSwap:
         for f in slot.reads:
             f.result()
         slot.reads = []
+        slot.settle_writes()  # a slot taken back from the pool: its last write must not see the new step
         g = self.partitions.groups[gi]
         numel = self._numel(gi)
         g.master.set_(slot.buffer("master", numel))
@@ -149,6 +173,7 @@ class NvmeOptimizerSwap:
             slot.writes = [self.store.write(self._key(gi, "master"), slot.buffer("master", numel))]
             slot.writes += [self.store.write(self._key(gi, name), state[name]) for name in names]
             self.state_names[gi] = names
+            slot.holds = gi
         for name in names:
             state[name] = self._empty
         g.master.set_(self._empty)
@@ -161,41 +186,98 @@ class NvmeOptimizerSwap:
 
     # ---- the step ----------------------------------------------------------------------------------------
     def step(self, groups: list[GroupPartition]) -> None:
-        """Step every sub-group in turn, reading the next ones while the current one steps."""
+        """Step every sub-group in turn, reading the next ones while the current one steps.  The order
+        alternates from step to step, so the sub-groups stepped last, whose values are still in the pool,
+        are stepped first next time without being read again (the sub-groups are independent)."""
         n = len(groups)
+        order = list(range(n - 1, -1, -1)) if self._reverse else list(range(n))
+        self._reverse = not self._reverse
         # read up to this many sub-groups ahead, keeping one buffer for the write of the one just stepped
         ahead = max(1, len(self.slots) - 2)
-        for gi, g in enumerate(groups):
-            for nxt in range(gi, min(n, gi + 1 + ahead)):
-                self.prefetch(nxt)
+        for i, gi in enumerate(order):
+            soon = set(order[i : i + 1 + ahead])
+            for nxt in order[i : i + 1 + ahead]:
+                self.prefetch(nxt, soon)
             self.swap_in(gi)
+            g = groups[gi]
             g.master.grad = g.grad
             self.optimizer.step()
             g.master.grad = None
             self.partitions.refresh_weights([g])
             self.swap_out(gi)
-        self.flush()
+        # The last writes finish during the next forward and backward: the buffers they read are not
+        # touched before the next step settles them, and the store runs a later read of the same file after
+        # its write.  A write that already failed (a full disk fails before any data moves) raises now.
+        self.raise_failed_writes()
         self._read_back = None
 
+    def raise_failed_writes(self) -> None:
+        for slot in self.slots:
+            for f in slot.writes:
+                if f.done() and f.exception() is not None:
+                    slot.writes = []
+                    raise f.exception()
+
+    # ---- checkpoints: one sub-group in memory at a time -------------------------------------------------
+    def swapped_out(self, gi: int) -> bool:
+        return self.partitions.groups[gi].master.numel() != self._numel(gi)
+
+    def tensor_state_names(self, gi: int) -> list[str]:
+        """The optimizer state tensors sub-group ``gi`` keeps in its swap files."""
+        return list(self.state_names.get(gi, []))
+
     @contextlib.contextmanager
-    def all_resident(self, write_back: bool) -> Iterator[None]:
-        """Every sub-group in memory at once (checkpoint save and load); written back after a load."""
-        slots, self.slots = self.slots, self.slots + [_Slot() for _ in self.partitions.groups]
+    def group_resident(self, gi: int) -> Iterator[None]:
+        """Sub-group ``gi``'s master and optimizer state in memory, unchanged (a checkpoint save reads them)."""
+        self.prefetch(gi)
+        self.swap_in(gi)
         try:
-            for gi in range(len(self.partitions.groups)):
-                self.swap_in(gi)
             yield
         finally:
-            for gi in range(len(self.partitions.groups)):
-                g = self.partitions.groups[gi]
-                if write_back:
-                    self.partitions.refresh_weights([g])
-                self.swap_out(gi, write=write_back)
-            self.flush()
-            self._read_back = None
-            self.slots = slots  # the extra buffers go with the extra slots
-            for slot in self.slots:
-                slot.owner = None
+            self.swap_out(gi, write=False)
+
+    @contextlib.contextmanager
+    def loading(self, gi: int, names: list[str] | None, keep_master: bool) -> Iterator[dict[str, torch.Tensor]]:
+        """Buffers to load sub-group ``gi`` into (a checkpoint load): its master is made a buffer (holding
+        the current master when ``keep_master``: parameters the checkpoint does not cover keep their
+        values), and the optimizer state tensors ``names`` get zeroed buffers, which are yielded (``None``:
+        the optimizer state is not loaded, its files stay as they are).  On
+        success the weights are refreshed from the new master and everything is written to the files;
+        the optimizer's own state for the group is then only placeholders (``placeholder``)."""
+        for slot in self.slots:  # whatever the pool still holds of this sub-group is out of date now
+            if slot.holds == gi:
+                slot.holds = None
+        self._read_back = None
+        slot = self._take_slot(set())
+        slot.owner = gi
+        g = self.partitions.groups[gi]
+        numel = self._numel(gi)
+        master = slot.buffer("master", numel)
+        if keep_master:
+            self.store.read(self._key(gi, "master"), master).result()
+        else:  # every parameter's slice is overwritten; the padding past them must not be a pool leftover
+            master.zero_()
+        g.master.set_(master)
+        buffers = {name: slot.buffer(name, numel).zero_() for name in names or []}
+        ok = False
+        try:
+            yield buffers
+            ok = True
+        finally:
+            if ok:
+                self.partitions.refresh_weights([g])
+                slot.writes = [self.store.write(self._key(gi, "master"), master)]
+                slot.writes += [self.store.write(self._key(gi, name), buf) for name, buf in buffers.items()]
+                if names is not None:
+                    self.state_names[gi] = list(names)
+                    slot.holds = gi  # else the slot has the master but not the state the files keep
+            g.master.set_(self._empty)
+            slot.owner = None
+
+    @property
+    def placeholder(self) -> torch.Tensor:
+        """What the optimizer's state holds for a swapped-out tensor (``swap_in`` puts the buffer there)."""
+        return self._empty
 
 
 def sub_group_size(cfg, partition_elements: int, nvme: bool) -> int:
@@ -221,6 +303,20 @@ def optimizer_state_bytes(cfg) -> int:
     return 8 + (4 if params.get("amsgrad") else 0)
 
 
+def pool_bytes(cfg, params: list[torch.Tensor], world_of) -> int:
+    """The NVMe swap pool this rank keeps in memory (``plan.swap_pool_bytes``) for ``params`` partitioned over
+    ``world_of(p)`` ranks each, with the sub-groups the engine will cut."""
+    from rayzero.offload.plan import swap_pool_bytes
+
+    chunks = [-(-p.numel() // world_of(p)) for p in params]
+    if not chunks:
+        return 0
+    partition = sum(chunks)
+    sub = max(sub_group_size(cfg, partition, nvme=True), max(chunks))  # a larger parameter is its own sub-group
+    return swap_pool_bytes(partition, sub, cfg.zero_optimization.offload_optimizer.buffer_count,
+                           optimizer_state_bytes(cfg))
+
+
 def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, dp: int) -> str:
     """``offload_optimizer.device`` with ``auto`` decided: ``none`` when this rank's model states fit the
     memory the process may use (cgroup and rlimit aware), else ``nvme`` (with ``nvme_path``)."""
@@ -237,6 +333,7 @@ def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, dp: int)
     left = limit.available_bytes
     need = int(ram_bytes_per_param(stage, dp, mixed, opt_bytes, "none") * n)
     need_nvme = int(ram_bytes_per_param(stage, dp, mixed, opt_bytes, "nvme") * n)
+    need_nvme += pool_bytes(cfg, params, lambda p: dp if stage else 1)
     choice = resolve_auto_offload(need, need_nvme, left, off.nvme_path)
     logger.info("offload_optimizer.device auto -> %s (model states %d bytes, %d bytes left under %s)",
                 choice, need, left, limit.available_source)
@@ -263,6 +360,8 @@ def check_model_states_fit(cfg, params: list[torch.Tensor], world_of, stage: int
     def need(device: str) -> int:
         total = sum(ram_bytes_per_param(stage, world_of(p), mixed, opt_bytes, device, offload_param=param_off)
                     * p.numel() for p in params)
+        if device == "nvme":  # the swap pool's buffers come on top
+            total += pool_bytes(cfg, params, world_of)
         return max(0, int(total) - preallocated)
 
     wanted = need(offload)

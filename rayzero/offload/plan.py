@@ -62,6 +62,20 @@ def swap_bytes_per_rank(
     return total
 
 
+def swap_pool_bytes(partition_elements: int, sub_group_elements: int, buffer_count: int,
+                    optimizer_bytes: int = 8) -> int:
+    """Host memory of the NVMe optimizer swap pool of one rank: up to ``max(2, buffer_count)`` slots (the
+    sub-group being stepped, the one being written back, and the ones read ahead), each holding one
+    sub-group's fp32 master and fp32 optimizer state tensors, but never more slots than sub-groups.  A
+    constant per rank, on top of ``ram_bytes_per_param``."""
+    if partition_elements <= 0:
+        return 0
+    sub = max(1, min(sub_group_elements, partition_elements))
+    slots = min(max(2, buffer_count), -(-partition_elements // sub))
+    tensors = 1 + math.ceil(optimizer_bytes / FP32)
+    return slots * sub * tensors * FP32
+
+
 def ram_bytes_per_param(
     stage: int,
     world: int,

@@ -31,7 +31,10 @@ class RankSwap:
             self.store.check_free_space(
                 swap_bytes(partitions, optimizer_state_bytes(cfg), compute_dtype, optimizer_nvme, params_nvme))
             if params_nvme:
-                partitions.param_swap = NvmeParamSwap(self.store, compute_dtype, z.offload_param.max_in_cpu)
+                partitions.param_swap = NvmeParamSwap(
+                    self.store, compute_dtype, z.offload_param.max_in_cpu, buffer_count=z.offload_param.buffer_count,
+                    buffer_size=z.offload_param.buffer_size,
+                    largest_shard=max((e.chunk for g in partitions.groups for e in g.layout.entries), default=0))
                 partitions.refresh_weights()  # every shard written once from the masters
             if optimizer_nvme:
                 self.optimizer_swap = NvmeOptimizerSwap(

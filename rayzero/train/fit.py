@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -429,6 +430,7 @@ def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int, offload: 
     params = list(dict.fromkeys(model.parameters()))  # tied weights once
     weights = 2 if mixed else 4
     need = 0.0
+    partition = largest = 0  # elements of this rank's optimizer partition, and of its largest parameter
     for p in params:
         expert = p in experts
         held = p.numel() / (tp * ep if expert else tp)  # the elements this rank holds
@@ -436,6 +438,8 @@ def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int, offload: 
             need += weights * held
             continue
         ranks = edp if expert else dp
+        chunk = math.ceil(held / (ranks if stage else 1))
+        partition, largest = partition + chunk, max(largest, chunk)
         if offload == "none" and z.offload_param.device == "none":
             need += model_state_bytes_per_param(stage, ranks, mixed, optimizer_bytes) * held
         else:
@@ -443,6 +447,12 @@ def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int, offload: 
                                         offload_param=z.offload_param.device) * held
         if stage == 3 and p.numel() <= threshold:  # persistent: whole on every rank between steps too
             need += weights * held
+    if offload == "nvme":  # the swap pool's buffers (offload/plan.py swap_pool_bytes)
+        from rayzero.offload.optimizer import sub_group_size
+        from rayzero.offload.plan import swap_pool_bytes
+
+        sub = max(sub_group_size(cfg, partition, nvme=True), largest)
+        need += swap_pool_bytes(partition, sub, z.offload_optimizer.buffer_count, optimizer_bytes)
     return int(round(need)), sum(p.numel() for p in params)
 
 

@@ -28,6 +28,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from rayzero.comm import Handle
+from rayzero.offload.staging import HostStaging
 from rayzero.zero.partition import Partitions
 
 
@@ -47,10 +48,14 @@ class ParamGatherer:
         compute_dtype: torch.dtype,
         persistence_threshold: int,
         prefetch: bool = True,
+        accelerator=None,
     ):
         self.partitions = partitions
         self.compute_dtype = compute_dtype
         self.prefetch = prefetch
+        # host shards (offloaded masters and weights, swap reads) reach the device through one reusable
+        # pinned buffer; shards already on the device in the compute dtype are sent as they are
+        self.staging = HostStaging(partitions.device, compute_dtype, accelerator)
         params = partitions.all_params()
         # by the layout's element count: a parameter built under zero_init has no storage of its own yet
         self.persistent = {p for p in params if partitions.entry_of[p].numel <= persistence_threshold}
@@ -123,8 +128,7 @@ class ParamGatherer:
                 # straight into the parameter's own storage: no receive buffer, no copy
                 p = params[0]
                 # (the shard itself when it is already in the compute dtype and device: no copy)
-                mine = self.partitions.weight_shard(self.partitions.entry_of[p]).to(
-                    device=self.partitions.device, dtype=self.compute_dtype)
+                mine = self.staging.to_device(self.partitions.weight_shard(self.partitions.entry_of[p]))
                 rows = self._whole(p)
                 launched.append((g.comm.all_gather(rows, mine), rows, params, None))
                 continue
@@ -132,10 +136,8 @@ class ParamGatherer:
             for p in params:
                 col_of[p] = cols
                 cols += self.partitions.entry_of[p].chunk
-            mine = torch.empty(cols, dtype=self.compute_dtype, device=self.partitions.device)
-            for p in params:
-                e = self.partitions.entry_of[p]
-                mine[col_of[p] : col_of[p] + e.chunk].copy_(self.partitions.weight_shard(e))
+            # packed side by side (host shards: in the staging buffer, then one copy to the device)
+            mine = self.staging.pack([self.partitions.weight_shard(self.partitions.entry_of[p]) for p in params])
             rows = torch.empty((g.world, cols), dtype=self.compute_dtype, device=self.partitions.device)
             launched.append((g.comm.all_gather(rows, mine), rows, params, col_of))
         self.inflight[id(unit)] = launched
@@ -177,6 +179,8 @@ class ParamGatherer:
                     for p in members:
                         if p not in self.gathered:
                             self._free(p)
+        # the step may rewrite host partitions next: no copy to the device may still read them
+        self.staging.synchronize()
         self.release(list(self.gathered))
 
     def on_param_reduced(self, p: torch.nn.Parameter) -> None:
