@@ -102,6 +102,43 @@ def test_deterministic_policy_is_bitwise_reproducible(world):
             assert torch.equal(a["state"][name], b["state"][name]), f"stage {stage}: {name} differs bitwise"
 
 
+def unseeded_run(rank: int, world: int, deterministic: bool) -> dict:
+    """Stage 2 with dropout, in a process whose RNG was never seeded by the script (``torch.seed()``
+    draws a seed from the OS, as a fresh interpreter effectively has): only the policy's seeding makes the
+    dropout masks repeat."""
+    import torch.nn.functional as F
+
+    import rayzero
+    from zero_cases import base_config, batches, make_model
+
+    model = make_model(dropout=0.3)
+    torch.seed()
+    engine = rayzero.initialize(model, base_config(2, world, 4 * world, deterministic=deterministic))
+    losses = []
+    for x, y in batches(5, 4 * world):
+        loss = F.mse_loss(engine(x[rank * 4 : (rank + 1) * 4]), y[rank * 4 : (rank + 1) * 4])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    state = engine.full_state_dict()
+    engine.destroy()
+    return {"losses": losses, "state": state}
+
+
+def test_deterministic_policy_negative_control():
+    """The same runs without the policy differ, so the bitwise test above can fail.  What differs here is
+    the random state (dropout): the other half of the policy, the fixed reduction order, cannot be shown to
+    matter on this machine, because gloo on one host already adds the ranks in a fixed ring order and the
+    ranks run one thread each; on GPUs (NCCL's algorithm choice, atomics in kernels) it does."""
+    runs = {d: [run_distributed(unseeded_run, 2, d)[0] for _ in range(2)] for d in (False, True)}
+    a, b = runs[True]
+    assert a["losses"] == b["losses"]
+    assert all(torch.equal(a["state"][n], b["state"][n]) for n in a["state"])
+    a, b = runs[False]
+    assert a["losses"] != b["losses"]
+    assert not all(torch.equal(a["state"][n], b["state"][n]) for n in a["state"])
+
+
 def _bf16_fp16_cases(rank, world):
     out = {}
     for stage in range(4):
