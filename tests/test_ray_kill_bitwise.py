@@ -55,7 +55,7 @@ def uninterrupted(tmp_path_factory):
     return result, _weights(result, str(tmp / "straight.pt"))
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 5, 7])  # rank 1 at step 7, rank 1 at step 5, rank 0 at step 3
 def test_sigkill_at_a_random_step_ends_bitwise_like_an_uninterrupted_run(tmp_path, uninterrupted, seed):
     straight, weights = uninterrupted
     rng = random.Random(seed)
