@@ -44,7 +44,7 @@ from rayzero.checkpoint.optimizer_load import (
 )
 from rayzero.checkpoint.slices import prod, slice_filler
 from rayzero.parallel.slicing import full_shape_of, layout_dicts, slice_index, splits_of
-from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_dir, write_rank
+from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, recover, staging_dir, write_rank
 
 if TYPE_CHECKING:
     from rayzero.engine import Engine
@@ -402,6 +402,8 @@ def resolve_tag(storage: Storage, tag: str | None) -> str:
 
 def read_manifest(storage: Storage, tag: str) -> dict:
     path = storage.join(tag, MANIFEST)
+    if not storage.exists(path):
+        recover(storage, tag)  # a crash inside a re-save of this tag: its complete copy goes back in place
     if not storage.exists(path):
         raise CheckpointError(
             f"{path} does not exist: checkpoint {tag!r} was never committed (or is not a rayzero checkpoint)"

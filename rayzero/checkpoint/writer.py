@@ -2,23 +2,33 @@
 
 Commit protocol (no collectives, so it can run on a background thread while training goes on):
 
-1. Rank 0 prepares a staging directory ``<dir>/.tmp-<tag>`` (local storage) and removes stale staging
-   directories left by crashed saves.  All ranks meet at a barrier (the caller does that on the main
-   thread), then each rank:
+1. Rank 0 prepares a staging directory ``<dir>/.tmp-<tag>`` (local storage) after ``recover()`` (below) and
+   removes leftovers of crashed saves, never the only complete copy of a tag.  All ranks meet at a barrier
+   (the caller does that on the main thread), then each rank:
 2. writes ``rank_XXXXX.arrow`` under a temporary name, syncs it, renames it, and drops a small
    ``rank_XXXXX.done.json`` marker with its size, XXH3 hash and RNG state (or ``rank_XXXXX.error.json``);
 3. rank 0 waits for every marker, writes ``manifest.json`` (synced, renamed into place), renames the
-   staging directory to ``<dir>/<tag>`` and only then moves ``<dir>/latest`` to the new tag.
+   staging directory to ``<dir>/<tag>`` (re-saving a tag: the old ``<tag>`` is renamed to ``.old-<tag>``
+   first and deleted after) and only then moves ``<dir>/latest`` to the new tag.
 
-A crash at any moment leaves ``latest`` on the previous, complete checkpoint; the partial staging directory
-is ignored by readers and removed by the next save.  On object stores (no atomic directory rename) files go
-straight to ``<dir>/<tag>``: a directory without a manifest is incomplete, and ``latest`` still moves last.
+A crash at any moment leaves ``latest`` naming a complete checkpoint: the previous one, or, when the save
+re-used the tag ``latest`` names, that tag's old or new copy.  A crash between the two renames of a re-save
+leaves ``<tag>`` missing; ``recover()`` (run by ``prepare()`` and by readers that find ``<tag>`` missing)
+renames the complete staging directory (one with its manifest) back to ``<tag>``, or else ``.old-<tag>``.
+Incomplete staging directories are ignored by readers and removed by the next save.  On object stores (no
+atomic directory rename) files go straight to ``<dir>/<tag>``: a directory without a manifest is
+incomplete, and ``latest`` still moves last.
+
+Testing hook: ``RAYZERO_CHECKPOINT_CRASH_AT=<point>`` (or ``<point>:<tag>``) makes ``commit()`` SIGKILL its
+own process at that point (``crash_point`` calls: before_manifest, manifest_written, old_moved_aside,
+new_in_place, before_latest, committed); with ``RAYZERO_CHECKPOINT_CRASH_ONCE=<file>`` only the process that
+creates that file dies.  Unset, it costs one environment lookup per point.
 """
-
 from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from typing import Callable, ContextManager
@@ -27,6 +37,22 @@ from rayzero.checkpoint.format import LATEST, MANIFEST, CheckpointError, Fragmen
 from rayzero.checkpoint.storage import HashingWriter, Storage
 
 STAGING_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"  # local re-save: the previous copy of the tag, until the new one is in place
+CRASH_ENV = "RAYZERO_CHECKPOINT_CRASH_AT"  # testing hook, see the module docstring
+CRASH_ONCE_ENV = "RAYZERO_CHECKPOINT_CRASH_ONCE"
+
+
+def crash_point(point: str, tag: str) -> None:
+    """Testing hook: SIGKILL this process at ``point`` when $RAYZERO_CHECKPOINT_CRASH_AT is ``point`` or
+    ``point:tag``, and, with $RAYZERO_CHECKPOINT_CRASH_ONCE naming a file, only if that file can be created."""
+    if os.environ.get(CRASH_ENV) in (point, f"{point}:{tag}"):
+        once = os.environ.get(CRASH_ONCE_ENV)
+        try:
+            if once:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def staging_dir(storage: Storage, tag: str) -> str:
@@ -36,14 +62,45 @@ def staging_dir(storage: Storage, tag: str) -> str:
 INCOMPLETE = ".rayzero-incomplete"  # object stores: marks a checkpoint directory still being written
 
 
+def _tag_of(leftover: str) -> str:
+    return leftover[len(STAGING_PREFIX):]  # both prefixes are 5 characters
+
+
+def _complete(storage: Storage, name: str) -> bool:
+    return storage.exists(storage.join(name, MANIFEST))
+
+
+def recover(storage: Storage, tag: str | None = None) -> None:
+    """Local storage: put back ``<tag>`` (with no tag: every tag that has leftovers) where a crash inside a
+    re-save left it missing, from its complete staging directory (the new copy) or else from ``.old-<tag>``
+    (the old one).  Renames only, so concurrent callers are safe: one rename wins, the others fail on a
+    missing source or a non-empty target and find ``<tag>`` in place."""
+    if not storage.local:
+        return
+    tags = [tag] if tag is not None else sorted(
+        {_tag_of(n) for n in storage.listdir(storage.root) if n.startswith((STAGING_PREFIX, OLD_PREFIX))})
+    for t in tags:
+        for prefix in (STAGING_PREFIX, OLD_PREFIX):
+            if storage.exists(storage.join(t)):
+                break
+            if _complete(storage, prefix + t):
+                try:
+                    storage.move(storage.join(prefix + t), storage.join(t))
+                except OSError:
+                    pass
+
+
 def prepare(storage: Storage, tag: str) -> None:
     """Rank 0, before the barrier: a clean staging directory, and no leftovers of crashed saves.
 
-    Only directories rayzero itself marked as unfinished are ever removed, never other data."""
+    Only directories rayzero itself marked as unfinished are ever removed, never other data, and never the
+    only complete copy of a tag (``recover()`` puts such a copy back in place first)."""
     storage.makedirs(storage.root)
+    recover(storage)
     for name in storage.listdir(storage.root):
-        if name.startswith(STAGING_PREFIX) or name.startswith(".old-"):
-            storage.delete_dir(storage.join(name))
+        if name.startswith((STAGING_PREFIX, OLD_PREFIX)):
+            if not _complete(storage, name) or _complete(storage, _tag_of(name)):
+                storage.delete_dir(storage.join(name))
         elif not storage.local and storage.exists(storage.join(name, INCOMPLETE)):
             if not storage.exists(storage.join(name, MANIFEST)):
                 storage.delete_dir(storage.join(name))
@@ -55,6 +112,9 @@ def prepare(storage: Storage, tag: str) -> None:
             f"checkpoint {tag!r} already exists in {storage.root!r}; on object stores a committed checkpoint is "
             "never overwritten: save under a new tag (the default tag includes the step)"
         )
+    if storage.local and _complete(storage, STAGING_PREFIX + tag) and not _complete(storage, tag):
+        raise CheckpointError(f"{stage} is the only complete copy of checkpoint {tag!r} (its directory "
+                              f"{storage.join(tag)} has no {MANIFEST}): move one of them away, then save again")
     storage.delete_dir(stage)
     storage.makedirs(stage)
     if not storage.local:
@@ -125,22 +185,37 @@ def commit(
             raise CheckpointError(f"checkpoint {tag!r}: ranks {missing} did not finish writing within {timeout_s}s")
         time.sleep(0.01)
     manifest = manifest_of(markers)
-    storage.write_bytes_atomic(f"{stage}{sep}{MANIFEST}", json.dumps(manifest, indent=1).encode())
-    for r in range(world):
+    for r in range(world):  # before the manifest: a complete directory holds no markers
         base = f"{stage}{sep}{rank_file_name(r)[: -len('.arrow')]}"
         storage.fs.delete_file(base + ".done.json")
+    crash_point("before_manifest", tag)
+    storage.write_bytes_atomic(f"{stage}{sep}{MANIFEST}", json.dumps(manifest, indent=1).encode())
     if not storage.local:
         storage.fs.delete_file(f"{stage}/{INCOMPLETE}")
+    crash_point("manifest_written", tag)
     if storage.local:
         final = storage.join(tag)
         if storage.exists(final):  # re-saving a tag: move the old one aside, then drop it after the switch
-            old = storage.join(f".old-{tag}")
+            old = storage.join(OLD_PREFIX + tag)
             storage.move(final, old)
-            storage.move(stage, final)
+            crash_point("old_moved_aside", tag)
+            _publish(storage, stage, final)
+            crash_point("new_in_place", tag)
             storage.delete_dir(old)
         else:
-            storage.move(stage, final)
+            _publish(storage, stage, final)
+    crash_point("before_latest", tag)
     storage.write_bytes_atomic(storage.join(LATEST), tag.encode())
+    crash_point("committed", tag)
+
+
+def _publish(storage: Storage, stage: str, final: str) -> None:
+    """Rename the complete staging directory to the tag; a reader's ``recover()`` may have done it already."""
+    try:
+        storage.move(stage, final)
+    except OSError:
+        if storage.exists(stage) or not storage.exists(os.path.join(final, MANIFEST)):
+            raise
 
 
 def abort(storage: Storage, tag: str) -> None:

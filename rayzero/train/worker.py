@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,6 +30,8 @@ from rayzero.train.metrics import MetricsWriter
 from rayzero.train.planning import plan_step
 
 SAMPLES_FILE = "samples.jsonl"
+TAG_FORMAT = "checkpoint_step{:08d}"  # the tag of the checkpoint saved after that many steps
+TAG_PATTERN = re.compile(r"checkpoint_step(\d{8})")
 
 
 @dataclass
@@ -142,7 +145,25 @@ def _train(spec: WorkerSpec) -> dict:
     storage = Storage.on(run_storage.storage_filesystem, run_storage.experiment_fs_path)
     resumed_from = None
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
+    given = os.path.basename(checkpoint.path.rstrip("/")) if checkpoint is not None else None
+    newer = _newer_commit(storage, given) if rank == 0 else None
+    if world > 1:  # every rank loads the same one
+        box = [newer]
+        dist.broadcast_object_list(box, src=0)
+        newer = box[0]
+    if newer is not None:
+        # A worker died after committing ``newer`` but before Ray Train recorded it: resume from that commit
+        # (redoing its steps could fork from it, and an object store refuses to overwrite it), and record it
+        # with Ray now, so that Ray's latest checkpoint, keep_checkpoints and later restarts agree.
+        engine.load_checkpoint(storage, tag=newer)
+        resumed_from = newer
+        ray.train.report(
+            {"step": engine.global_steps, "samples": engine.global_samples, "world_size": world,
+             "resumed_from": newer},
+            checkpoint=Checkpoint(path=storage.join(newer), filesystem=storage.fs),
+            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+        )
+    elif checkpoint is not None:
         parent, tag = os.path.split(checkpoint.path.rstrip("/"))
         engine.load_checkpoint(Storage.on(checkpoint.filesystem, parent), tag=tag)
         resumed_from = tag
@@ -203,7 +224,7 @@ def _train(spec: WorkerSpec) -> dict:
             metrics.write(record)
         done = step + 1 == spec.max_steps
         if (spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0) or done:
-            tag = engine.save_checkpoint(storage, tag=f"checkpoint_step{step + 1:08d}")
+            tag = engine.save_checkpoint(storage, tag=TAG_FORMAT.format(step + 1))
             ray.train.report(
                 record,
                 checkpoint=Checkpoint(path=storage.join(tag), filesystem=storage.fs),
@@ -214,6 +235,21 @@ def _train(spec: WorkerSpec) -> dict:
     result = {"final_loss": loss_value, "world_size": world, "start_step": start_step, "resumed_from": resumed_from}
     engine.destroy()
     return result
+
+
+def _newer_commit(storage: Storage, given: str | None) -> str | None:
+    """The newest checkpoint committed (its manifest written) in the run's storage when it is newer than
+    ``given``, the one Ray Train handed back (None: none); else None."""
+    from rayzero.checkpoint.format import MANIFEST
+
+    floor = int(m.group(1)) if given and (m := TAG_PATTERN.fullmatch(given)) else -1
+    steps = sorted((int(m.group(1)), n) for n in storage.listdir(storage.root) if (m := TAG_PATTERN.fullmatch(n)))
+    for step, name in reversed(steps):
+        if step <= floor:
+            break
+        if storage.exists(storage.join(name, MANIFEST)):
+            return name
+    return None
 
 
 def _plan_for(spec: WorkerSpec, world: int):
