@@ -359,7 +359,10 @@ class CheckpointIO:
         def with_ranks(markers: list[dict]) -> dict:
             return {**manifest_now, "rng": [m.pop("rng") for m in markers], "files": markers}
 
-        open_group = engine.swap.group_resident if getattr(engine, "swap", None) is not None else None
+        # a sync save under NVMe offload reads each optimizer sub-group while writing it (on this thread);
+        # an async save's snapshot already copied them
+        swap = getattr(engine, "swap", None)
+        open_group = swap.group_resident if swap is not None and not async_save else None
 
         def work() -> None:
             write_rank(storage, staging_dir(storage, tag), rank, fragments, extra, open_group)
