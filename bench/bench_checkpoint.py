@@ -277,14 +277,15 @@ class DeepSpeedSystem:
     tag = "ckpt"
 
     def __init__(self, model, a, world: int):
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        import deepspeed
+        from bench_zero import init_deepspeed  # CPU accelerator, LOCAL_RANK, torch's gloo group
 
+        deepspeed = init_deepspeed()
+        # torch_adam: the others' torch.optim.AdamW(lr=1e-4, fused=True) itself, not DeepSpeed's FusedAdam
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
             "train_batch_size": a.micro * world,
             "train_micro_batch_size_per_gpu": a.micro,
             "zero_optimization": {"stage": 2},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "fused": True, "torch_adam": True}},
         })
 
     def step(self, x, y) -> None:
@@ -311,6 +312,7 @@ SYSTEMS = {"rayzero": RayzeroSystem, "dcp": DCPSystem, "deepspeed": DeepSpeedSys
 
 
 def deepspeed_available() -> tuple[bool, str]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no CUDA here; the spawned ranks inherit it
     try:
         import deepspeed  # noqa: F401
 

@@ -116,10 +116,11 @@ def setup_rayzero(model, a, rank, world, ep):
 
 
 def setup_deepspeed_autoep(model, a, rank, world, ep):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    from bench_zero import init_deepspeed  # CPU accelerator, LOCAL_RANK, torch's gloo group
 
+    deepspeed = init_deepspeed()
     cfg = engine_config(a, ep, world)
+    cfg["optimizer"]["params"]["torch_adam"] = True  # the others' torch.optim.AdamW(fused=True), not FusedAdam
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     def step(batch):

@@ -156,10 +156,15 @@ def setup_fsdp2_offload(model, a, world):
 
 
 def setup_deepspeed_offload(model, a, world, spec):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    """DeepSpeed ZeRO-Offload with the same user config as rayzero's rows (stage + offload_optimizer, the rest
+    at DeepSpeed's defaults), the optimizer section aside: the others' AdamW hyper-parameters written out
+    (bench_zero.deepspeed_optimizer).  DeepSpeed steps the offloaded states with its DeepSpeedCPUAdam (C++
+    op, JIT-built on first use); its NVMe swapping (stage 3) needs the async_io op, i.e. libaio."""
+    from bench_zero import deepspeed_optimizer, init_deepspeed
 
+    deepspeed = init_deepspeed()
     cfg = offload_config(a, world, spec["stage"], spec["offload"], spec.get("sub_group"), a.nvme_path)
+    cfg["optimizer"] = deepspeed_optimizer(a)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     mse = torch.nn.functional.mse_loss
 
@@ -169,7 +174,12 @@ def setup_deepspeed_offload(model, a, world, spec):
         engine.step()
         return loss.detach(), engine.get_global_grad_norm()
 
-    return step, lambda: None
+    return step, getattr(engine, "destroy", lambda: None)
+
+
+# DeepSpeed's stages 1 and 2 accept offload_optimizer.device "nvme" but keep the optimizer states in CPU memory
+# (stage_1_and_2.py: any device but none is cpu_offload); only stage 3 swaps them to the nvme_path.
+DS_NVME_STAGE12 = "DeepSpeed swaps optimizer states to NVMe only at stage 3 (stages 1-2 treat nvme as cpu)"
 
 
 def system_specs(a) -> list[dict]:
@@ -187,7 +197,7 @@ def system_specs(a) -> list[dict]:
         for d in a.devices:
             if d != "none":
                 specs.append(dict(name=f"DeepSpeed stage {s} {d}", kind="deepspeed", stage=s, offload=d,
-                                  sub_group=None))
+                                  sub_group=None, **({"skip": DS_NVME_STAGE12} if d == "nvme" and s < 3 else {})))
     if a.only:
         keys = [k.strip().lower() for k in a.only.split(",") if k.strip()]
         specs = [s for s in specs if any(k in s["name"].lower() for k in keys)]
@@ -328,7 +338,8 @@ def _rank_main(rank: int, world: int, port: int, specs: list[dict], a: argparse.
     try:
         reset_hwm()
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        for kind in dict.fromkeys("rayzero" if s["kind"] == "deepspeed" else s["kind"] for s in specs):
+        kinds = [k for s in specs for k in (("rayzero", "deepspeed") if s["kind"] == "deepspeed" else (s["kind"],))]
+        for kind in dict.fromkeys(kinds):  # DeepSpeed's rows also read rayzero's offload plan for their theory
             warm_runtime(kind)
         outs = [_one_system(rank, world, spec, a) for spec in specs]
         queue.put((rank, "ok", pickle.dumps(outs)))
@@ -377,8 +388,8 @@ def run_systems(specs: list[dict], a: argparse.Namespace) -> list[dict]:
     for i, spec in enumerate(specs):
         if spec["kind"] == "deepspeed":
             ok, why = deepspeed_available()
-            if not ok:
-                results[i] = dict(spec, status="skipped", error=why)
+            if not ok or spec.get("skip"):
+                results[i] = dict(spec, status="skipped", error=why if not ok else spec["skip"])
                 continue
         todo.append(i)
     if todo:

@@ -129,6 +129,8 @@ def warm_runtime(kind: str) -> None:
             importlib.import_module(name)
         except ImportError:  # an older rayzero without it
             pass
+    if kind == "deepspeed":  # its import, its communication backend (and shm op) over the gloo group
+        init_deepspeed()
     del m, opt
     malloc_trim()
 
@@ -302,11 +304,49 @@ def setup_rayzero(model, a, world, stage: int):
     return step, engine.destroy
 
 
-def setup_deepspeed(model, a, world, stage: int):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed  # noqa: F401  (absent: the caller reports "not installed")
+def init_deepspeed():
+    """Import DeepSpeed in a rank whose gloo process group is already up, and have it use that group.
 
+    On a machine without CUDA DeepSpeed runs on its CPU accelerator (``DS_ACCELERATOR=cpu``), which defaults
+    to the oneCCL backend; ``init_distributed(dist_backend="gloo")`` adopts torch's initialised gloo group
+    instead.  DeepSpeed reads ``LOCAL_RANK`` (one host here: the rank) besides RANK/WORLD_SIZE/MASTER_*.
+    """
+    import logging
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())
+    os.environ["LOCAL_SIZE"] = str(dist.get_world_size())
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # its per-step INFO lines would drown the bench's output
+    deepspeed.init_distributed(dist_backend="gloo")
+    return deepspeed
+
+
+def deepspeed_optimizer(a) -> dict:
+    """DeepSpeed's ``optimizer`` section with the AdamW hyper-parameters the other systems train with.
+
+    The others run ``torch.optim.AdamW(lr=...)``, i.e. torch's defaults for betas, eps and weight_decay
+    (0.01); DeepSpeed's own AdamW (FusedAdam, or DeepSpeedCPUAdam with offload) defaults weight_decay to 0,
+    so torch's defaults are written out.  The implementation stays DeepSpeed's default, as it does for the
+    others; with --adam-fused every system runs ``torch.optim.AdamW(fused=True)``, DeepSpeed too (torch_adam).
+    """
+    import inspect
+
+    sig = inspect.signature(torch.optim.AdamW).parameters
+    params = {"lr": a.lr, "betas": list(sig["betas"].default), "eps": sig["eps"].default,
+              "weight_decay": sig["weight_decay"].default}
+    if getattr(a, "adam_fused", False):
+        params.update(torch_adam=True, fused=True)
+    return {"type": "AdamW", "params": params}
+
+
+def setup_deepspeed(model, a, world, stage: int):
+    deepspeed = init_deepspeed()
     cfg = zero_config(a, world, stage)
+    cfg["optimizer"] = deepspeed_optimizer(a)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     mse = torch.nn.functional.mse_loss
 
@@ -316,10 +356,11 @@ def setup_deepspeed(model, a, world, stage: int):
         engine.step()
         return loss.detach(), engine.get_global_grad_norm()
 
-    return step, lambda: None
+    return step, getattr(engine, "destroy", lambda: None)
 
 
 def deepspeed_available() -> tuple[bool, str]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no CUDA here; the spawned ranks inherit it
     try:
         import deepspeed  # noqa: F401
 
