@@ -14,6 +14,7 @@ import argparse
 import math
 import os
 import re
+import sys
 import time
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 import rayzero
 from rayzero.train.cluster_config import STORAGE_ENV, default_storage
+from rayzero.train.fit import ClusterTooSmallError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "data", "public_domain.txt")
@@ -241,6 +243,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steps between checkpoints (0: only at the end)")
     p.add_argument("--cpus-per-worker", type=positive_int, default=1,
                    help="CPUs each worker reserves (and uses as threads)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show Ray's own console output (Ray Train's INFO lines and reports, Ray core log "
+                        "lines, every rank's repeated lines); off: start-up phases and one progress line per update")
     args = p.parse_args(argv)
     if "://" not in args.storage:  # a full path: the run directory is printed, and plotted, as one
         args.storage = os.path.abspath(os.path.expanduser(args.storage))
@@ -281,22 +286,26 @@ def main(argv=None) -> None:
         max_failures=2,
         elastic_check_interval_s=5,
         resources_per_worker={"CPU": args.cpus_per_worker},
+        verbose=args.verbose,
     )
     os.environ.setdefault("RAYZERO_THREADS_PER_WORKER", str(args.cpus_per_worker))
     config = engine_config(args)
     context = args.context
-    result = rayzero.fit(
-        lambda: TinyGPT(context=context),
-        cluster,
-        config=config,
-        data=train_data,
-        loss_fn=lm_loss,
-        max_steps=args.max_steps,
-        seed=0,
-    )
+    try:
+        result = rayzero.fit(
+            lambda: TinyGPT(context=context),
+            cluster,
+            config=config,
+            data=train_data,
+            loss_fn=lm_loss,
+            max_steps=args.max_steps,
+            seed=0,
+        )
+    except ClusterTooSmallError as e:  # --workers / --cpus-per-worker the cluster cannot host: one line, no traceback
+        sys.exit(f"{os.path.basename(__file__)}: error: {e}")
     losses = result.losses
-    if args.resumed_step is not None:
-        print(f"resumed from step {args.resumed_step}")
+    if result.resumed_from is not None:
+        print(f"resumed from step {result.resumed_from}")
     print(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} over {len(losses)} steps, world sizes {result.world_sizes}")
 
     # Held-out perplexity with the final weights, on this (driver) process.

@@ -10,8 +10,8 @@ top-2 routing, nothing is downloaded).  It reads the byte-level text that ``exam
 through that script's own data helpers.  With ``"expert_parallel": {"enabled": true, "autoep_size": N}``
 the engine's AutoEP swaps every MoE block's experts for expert-parallel ones: each rank of an EP group
 keeps ``4 / N`` experts and tokens travel to their experts with all-to-all.  The loss is the model's own
-``out.loss`` (next-byte cross-entropy plus the router's load-balancing loss).  Prints the loss per step and
-then the held-out loss of the exported weights.
+``out.loss`` (next-byte cross-entropy plus the router's load-balancing loss).  Prints the start-up phases and
+progress lines as it trains, then the loss summary and the held-out loss of the exported weights.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 import torch
 
 import rayzero
+from rayzero.train.fit import ClusterTooSmallError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -92,22 +93,47 @@ def engine_config(args) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-steps", type=int, default=60)
-    p.add_argument("--workers", type=shipped.parse_workers, default=2, help="N, or MIN,MAX for an elastic run")
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel size (autoep_size); must divide 4 experts")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (autotp_size)")
+    """The command line, checked: a bad value ends in argparse's one-line error (exit code 2), before Ray starts
+    (examples/train.py's pattern and types)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=shipped.HelpFormatter)
+    p.add_argument("--max-steps", type=shipped.positive_int, default=60, help="optimizer steps for the whole run (>= 1)")
+    p.add_argument("--workers", type=shipped.parse_workers, default=2, help="N workers, or MIN,MAX for an elastic run")
+    p.add_argument("--ep", type=shipped.positive_int, default=2,
+                   help=f"expert-parallel size (autoep_size): the ranks that share the {NUM_EXPERTS} experts; must "
+                        f"divide {NUM_EXPERTS}")
+    p.add_argument("--tp", type=shipped.positive_int, default=1,
+                   help="tensor-parallel size (autotp_size): the ranks that share each weight matrix")
     p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2], help="ZeRO stage")
     p.add_argument("--storage", default=shipped.default_storage(),
-                   help="local path or pyarrow.fs URI (default: $RAYZERO_STORAGE, else ~/rayzero_runs)")
-    p.add_argument("--name", default="tiny-moe")
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
-    p.add_argument("--cpus-per-worker", type=int, default=1, help="CPUs each worker reserves (and uses as threads)")
+                   help=f"local path or pyarrow.fs URI for checkpoints and metrics (${shipped.STORAGE_ENV} sets "
+                        "the default)")
+    p.add_argument("--name", default="tiny-moe", help="run name; the run is stored as NAME-YYYYmmdd-HHMMSS under --storage")
+    p.add_argument("--global-batch", type=shipped.positive_int, default=8,
+                   help="samples per optimizer step, all workers; a multiple of the data shards (workers / tp)")
+    p.add_argument("--context", type=shipped.positive_int, default=64, help="tokens (bytes) per training window")
+    p.add_argument("--lr", type=shipped.positive_float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--checkpoint-every", type=shipped.non_negative_int, default=0,
+                   help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--cpus-per-worker", type=shipped.positive_int, default=1,
+                   help="CPUs each worker reserves (and uses as threads)")
     p.add_argument("--no-eval", action="store_true", help="skip the held-out loss after training")
-    return p.parse_args(argv)
+    p.add_argument("--verbose", action="store_true",
+                   help="also show Ray's own console output (Ray Train's INFO lines and reports, Ray core log "
+                        "lines, every rank's repeated lines)")
+    args = p.parse_args(argv)
+    if not args.name or "/" in args.name or args.name in (".", ".."):
+        p.error(f"argument --name: {args.name!r} is not a run name (no '/', not empty)")
+    if NUM_EXPERTS % args.ep:
+        p.error(f"argument --ep: {args.ep} does not divide the model's {NUM_EXPERTS} experts (use 1, 2 or 4)")
+    low, high = args.workers if isinstance(args.workers, tuple) else (args.workers, args.workers)
+    from rayzero.train.planning import plan_range
+
+    try:  # the layout and the batch cut at both ends of the range, as fit plans them
+        plan_range(args.global_batch, low, high, None, args.tp, args.ep)
+    except rayzero.ConfigError as e:
+        reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip())  # one line
+        p.error(f"arguments --workers/--tp/--ep/--global-batch: {reason}")
+    return args
 
 
 def run(args) -> rayzero.Result:
@@ -121,6 +147,7 @@ def run(args) -> rayzero.Result:
         max_failures=1,
         elastic_check_interval_s=5,
         resources_per_worker={"CPU": args.cpus_per_worker},
+        verbose=getattr(args, "verbose", False),
     )
     os.environ.setdefault("RAYZERO_THREADS_PER_WORKER", str(args.cpus_per_worker))
     context = args.context
@@ -158,10 +185,11 @@ def held_out_loss(result: rayzero.Result, context: int, batches: int = 4) -> flo
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    except ClusterTooSmallError as e:  # --workers / --cpus-per-worker the cluster cannot host: one line, no traceback
+        sys.exit(f"{os.path.basename(__file__)}: error: {e}")
     losses = result.losses
-    for step, loss in enumerate(losses, 1):
-        print(f"step {step:4d}  loss {loss:.4f}")
     print(
         f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} over {len(losses)} steps, world sizes "
         f"{result.world_sizes}, ep {args.ep}, tp {args.tp}  (a uniform byte model scores ln 256 = {math.log(256):.2f})"

@@ -14,9 +14,9 @@ import torch
 import rayzero
 from rayzero.config import Config
 from rayzero.train.cluster_config import ClusterConfig
-from rayzero.train.fit import (
+from rayzero.train.fit import _plan_run
+from rayzero.train.state_memory import (
     _check_fits,
-    _plan_run,
     model_state_bytes,
     model_state_bytes_per_param,
     model_state_bytes_per_worker,

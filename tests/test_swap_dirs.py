@@ -158,7 +158,7 @@ def test_swap_bytes_per_rank():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("mixed", [False, True])
 def test_ram_bytes_without_offload_and_with_cpu_are_the_memory_table(stage, mixed):
-    from rayzero.train.fit import model_state_bytes_per_param
+    from rayzero.train.state_memory import model_state_bytes_per_param
 
     for world in (1, 2, 4, 7):
         for opt in (0, 8, 12):
@@ -224,7 +224,7 @@ def _cfg(device, stage=3, path="/nvme"):
 
 def test_auto_offload_is_decided_on_the_node_reports():
     from rayzero.train.cluster_config import ClusterConfig
-    from rayzero.train.fit import _check_fits
+    from rayzero.train.state_memory import _check_fits
     from rayzero.train.offload_check import resolve_auto
 
     two = ClusterConfig.from_any({"workers": (2, 4)})

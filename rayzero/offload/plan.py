@@ -88,7 +88,7 @@ def ram_bytes_per_param(
     """Model-state bytes one rank holds in memory per trainable parameter, with the optimizer offloaded to
     ``offload_device``.
 
-    * ``none`` and ``cpu``: ``rayzero.train.fit.model_state_bytes_per_param`` (with ``cpu`` the same bytes
+    * ``none`` and ``cpu``: ``rayzero.train.state_memory.model_state_bytes_per_param`` (with ``cpu`` the same bytes
       live in host RAM rather than device memory): stage 0 16 (18 with bf16/fp16 compute), stage 1
       ``w + 4 + 16/W`` (``w + 16/W`` with ``cpu``: offloaded stage 1 keeps no full-size gradient buffer),
       stage 2 ``w + 16/W``, stage 3 ``16/W``, where ``w`` is the compute dtype's size and

@@ -1,10 +1,17 @@
-"""The per-node agent: one long-lived actor per node that reports what the driver needs to plan."""
+"""The per-node agent: one long-lived actor per node that reports what the driver needs to plan, and what the
+driver knows of the cluster's capacity: the worker slots each node has and whether an autoscaler can add more."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
+import time
 
 import ray
+
+AGENT_PREFIX = "rayzero-agent-"
 
 
 @ray.remote(num_cpus=0)
@@ -49,33 +56,215 @@ def _memory_limits(acc):
 
 
 def node_table(swap_path: str | None = None, timeout_s: float = 60.0) -> list[dict]:
-    """Start (or reuse) one agent per alive node and collect their reports."""
+    """Start (or reuse) one agent per alive node and collect their reports; each report also carries the node's
+    Ray resources (``ray_resources``: the totals Ray schedules workers on)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    agents = []
+    agents, nodes = [], []
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
-        name = f"rayzero-agent-{node['NodeID'][:12]}"
         agent = NodeAgent.options(
-            name=name,
+            name=f"{AGENT_PREFIX}{node['NodeID'][:12]}",
             namespace="rayzero",
             lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
         ).remote()
         agents.append(agent)
-    return ray.get([a.report.remote(swap_path) for a in agents], timeout=timeout_s)
+        nodes.append(node)
+    reports = ray.get([a.report.remote(swap_path) for a in agents], timeout=timeout_s)
+    for report, node in zip(reports, nodes):
+        report["ray_resources"] = dict(node.get("Resources") or {})
+    return reports
+
+
+def _devices(r: dict) -> str:
+    """What a node offers its workers, as Ray schedules them: its GPUs where Ray counts any, else its CPUs.
+
+    Counted from Ray's resources, not by the agent: the agent reserves nothing (``num_cpus=0``), so Ray hides
+    the node's GPUs from it, and making them visible would give this idle actor a CUDA context on every GPU
+    node's first device."""
+    ray_res = r.get("ray_resources") or {}
+    if r["accelerator"] != "cpu":
+        return f"{r['devices']} {'GPU' if r['accelerator'] == 'cuda' else r['accelerator']}"
+    if ray_res.get("GPU"):
+        return f"{ray_res['GPU']:g} GPU"
+    cpus = ray_res.get("CPU")
+    return f"{cpus:g} CPU" if cpus is not None else "cpu"
+
+
+def _accelerator(r: dict) -> str:
+    """The agent's accelerator kind; "gpu" where Ray counts GPUs the agent cannot see (see ``_devices``)."""
+    if r["accelerator"] == "cpu" and (r.get("ray_resources") or {}).get("GPU"):
+        return "gpu"
+    return r["accelerator"]
 
 
 def format_node_table(rows: list[dict]) -> str:
     gib = 1 << 30
     lines = [
-        "node          accelerator  devices  graph-capture  memory (usable / avail GiB)  swap free GiB",
+        "node          accelerator  devices  graph-capture  memory (usable / avail GiB)  free disk GiB",
     ]
     for r in rows:
         lines.append(
-            f"{r['hostname'][:12]:<13} {r['accelerator']:<12} {r['devices']:>7}  {str(r['graph_capture']):<13}  "
+            f"{r['hostname'][:12]:<13} {_accelerator(r):<12} {_devices(r):>7}  "
+            f"{'yes' if r['graph_capture'] else 'no':<13}  "
             f"{r['memory_total'] / gib:>10.1f} / {r['memory_available'] / gib:<10.1f}     {r['swap_free'] / gib:>8.1f}"
         )
     return "\n".join(lines)
+
+
+# ---- capacity: worker slots, and whether the cluster can grow -----------------------------------------------
+
+
+def worker_bundle(resources_per_worker: dict, use_gpu: bool) -> dict:
+    """The Ray resources one worker takes: ``resources_per_worker``, plus one GPU with ``use_gpu`` when it names
+    none (Ray Train then gives each worker one)."""
+    bundle = {k: float(v) for k, v in resources_per_worker.items() if v and v > 0}
+    if use_gpu and "GPU" not in bundle:
+        bundle["GPU"] = 1.0
+    return bundle
+
+
+def slots(resources: dict, bundle: dict) -> int:
+    """How many workers of ``bundle`` fit in ``resources`` (one node's: a worker never spans nodes)."""
+    if not bundle:
+        return 1 << 30
+    return min(int(math.floor(resources.get(k, 0.0) / v + 1e-9)) for k, v in bundle.items())
+
+
+def _amounts(resources: dict, keys) -> str:
+    return ", ".join(f"{resources.get(k, 0.0):g} {k}" for k in keys)
+
+
+def describe_slots(bundle: dict, nodes: list[tuple[str, dict, dict]], want: int, free: bool = False,
+                   most: int = 4) -> str:
+    """``have 1 of 2 worker slots: each worker needs 2 CPU; node vm has 3 CPU (1 slot)`` (``3 worker slots: ...``
+    when there are enough).  ``nodes`` are ``(name, total resources, available resources)``; ``free`` counts what
+    is free now instead of the totals."""
+    have = sum(slots(avail if free else total, bundle) for _, total, avail in nodes)
+    keys = list(bundle)
+    parts = []
+    for name, total, avail in nodes[:most]:
+        n = slots(avail if free else total, bundle)
+        amount = (", ".join(f"{avail.get(k, 0.0):g} of {total.get(k, 0.0):g} {k} free" for k in keys) if free
+                  else _amounts(total, keys))
+        parts.append(f"node {name} has {amount} ({n} slot{'' if n == 1 else 's'})")
+    if len(nodes) > most:
+        parts.append(f"and {len(nodes) - most} more node(s)")
+    if not nodes:
+        parts.append("no node is alive")
+    need = " + ".join(f"{v:g} {k}" for k, v in bundle.items()) or "nothing"
+    free_ = " free" if free else ""
+    head = (f"have {have} of {want} worker slot{'' if want == 1 else 's'}{free_}" if have < want
+            else f"{have} worker slot{'' if have == 1 else 's'}{free_}")
+    return f"{head}: each worker needs {need}; " + "; ".join(parts)
+
+
+def cluster_nodes() -> list[tuple[str, dict, dict]]:
+    """``(name, total, available)`` resources of every alive node (name: its hostname)."""
+    import ray._private.state as state
+
+    try:
+        available = state.available_resources_per_node()
+    except Exception:  # an older or newer Ray without it: the totals stand in
+        available = {}
+    out = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        total = dict(node.get("Resources") or {})
+        name = node.get("NodeManagerHostname") or node.get("NodeManagerAddress") or node["NodeID"][:12]
+        out.append((name, total, dict(available.get(node["NodeID"], total))))
+    return out
+
+
+READONLY_NODE_TYPE = re.compile(r"^node_[0-9a-f]{16,}$")  # the read-only provider's name for a hand-started node
+
+
+def autoscaler_node_types(status: dict) -> set[str] | None:
+    """The node types an autoscaler status report (Ray's ``ray status`` record, autoscaler v1) names, or None
+    when it carries no autoscaler report."""
+    report = (status or {}).get("autoscaler_report")
+    if not isinstance(report, dict):
+        return None
+    types = set((report.get("node_type_mapping") or {}).values())
+    for key in ("active_nodes", "idle_nodes", "pending_launches"):
+        types.update((report.get(key) or {}).keys())
+    types.update(t for _, t, *_ in (report.get("pending_nodes") or []) if isinstance(t, str))
+    return types
+
+
+def can_autoscale(node_types: set[str] | None) -> bool:
+    """An autoscaler that can add nodes names the node types of its config (``ray.head.default``, a KubeRay
+    worker group, ...).  A cluster started by hand with ``ray start`` (or ``ray.init``) runs the monitor with
+    the read-only provider, whose node types are ``node_<node id>``: it never adds a node."""
+    return bool(node_types) and any(t and not READONLY_NODE_TYPE.match(t) for t in node_types)
+
+
+def autoscaler_status(wait_s: float = 6.0) -> tuple[bool, str]:
+    """``(whether an autoscaler can add nodes to the connected cluster, why we think so)``.
+
+    Ray 2.60 has no public call for this (ray-project/ray#37838).  The signals, in order: the cluster config an
+    autoscaler reports to the GCS (what Ray Train itself reads to refuse worker groups larger than the cluster's
+    maximum); else the autoscaler's status record that ``ray status`` prints (v1: the GCS key
+    ``__autoscaling_status``; v2: ``get_cluster_status``), whose node types say whether it runs a real provider
+    or the read-only one.  The monitor writes that record every few seconds, so a cluster that has just started
+    may take ``wait_s`` to show it.  No record at all: nothing autoscales the cluster."""
+    import ray._private.state as state
+
+    try:
+        config = state.state.get_cluster_config()
+    except Exception:
+        config = None
+    if config is not None and list(config.node_group_configs):
+        groups = sorted(g.name or "?" for g in config.node_group_configs)
+        return True, f"the cluster's autoscaling config has node groups {groups}"
+    deadline = time.monotonic() + wait_s
+    while True:
+        types = _node_types_now()
+        if types is not None or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    if types is None:
+        return False, "no autoscaler reports to this cluster (`ray status` shows no autoscaler)"
+    if can_autoscale(types):
+        return True, f"an autoscaler runs with node types {sorted(t for t in types if t)}"
+    return False, ("it has no autoscaler: its nodes were started by hand (`ray start` or `ray.init`), and its "
+                   "monitor only mirrors them (the read-only provider)")
+
+
+def _node_types_now() -> set[str] | None:
+    try:
+        from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+        v2 = is_autoscaler_v2(fetch_from_server=True)
+    except Exception:
+        v2 = False
+    if v2:  # an autoscaler v2 monitor runs: its status names the node types (a failure to read it: assume it can)
+        try:
+            from ray.autoscaler.v2.sdk import get_cluster_status
+
+            status = get_cluster_status(ray.get_runtime_context().gcs_address)
+            types = {n.ray_node_type_name for n in list(status.active_nodes) + list(status.idle_nodes)}
+            types.update(p.ray_node_type_name for p in status.pending_launches)
+            types.update(p.ray_node_type_name for p in status.pending_nodes)
+            return types
+        except Exception:
+            return {"(autoscaler v2: node types unknown)"}
+    try:
+        from ray._private import ray_constants
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+        return autoscaler_node_types(json.loads(raw)) if raw else None
+    except Exception:
+        return None
+
+
+def started_here() -> bool:
+    """Whether this process started the Ray cluster it is connected to (``ray.init()`` with no cluster to
+    join): such a local cluster has no autoscaler."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return bool(node is not None and getattr(node, "head", False))

@@ -31,6 +31,9 @@ class ClusterConfig:
     ``$RAYZERO_STORAGE``, else ``~/rayzero_runs``: see :func:`default_storage`).
     ``checkpoint_every``: steps between checkpoints (0: only at the end).  ``address``: a Ray cluster to
     join; without it rayzero joins ``RAY_ADDRESS`` or a running cluster, else starts a local one.
+    ``progress``: print the start-up phases and progress lines.  ``verbose``: leave Ray's own console output as
+    Ray prints it (off: Ray Train's INFO lines, Ray's core log lines and the ranks' repeated lines are kept off
+    the console; they stay in Ray's log files).
     """
 
     workers: int | tuple[int, int] = 1
@@ -44,8 +47,9 @@ class ClusterConfig:
     address: str | None = None
     micro_batch_sizes: list[int] | None = None  # acceptable micro-batch sizes for elastic re-planning
     elastic_check_interval_s: float = 10.0  # how often an elastic run looks for a bigger or smaller cluster
-    start_timeout_s: float = 120.0  # how long to wait for `min` workers' resources before failing
-    progress: bool = True
+    start_timeout_s: float = 120.0  # how long to wait for an autoscaler to bring `min` workers' resources
+    progress: bool = True  # the start-up phase lines and one progress line per update on the driver
+    verbose: bool = False  # also Ray's own console output (Ray Train's INFO logs, Ray core lines, repeats)
 
     @staticmethod
     def from_any(obj: "ClusterConfig | Mapping[str, Any] | int | None") -> "ClusterConfig":

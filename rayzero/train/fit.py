@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import os
+import re
 import sys
 import threading
 import time
@@ -18,9 +19,9 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.config import Config, ConfigError
 from rayzero.train.cluster_config import ClusterConfig
 from rayzero.train.metrics import read_metrics
-from rayzero.offload.optimizer import optimizer_state_bytes
 from rayzero.train.offload_check import absolute_nvme_paths, check_swap_fits, node_slots, resolve_auto, swap_path
 from rayzero.train.planning import MicroBatchSizes, StepPlan, plan_range, skipped_sizes
+from rayzero.train.state_memory import _check_fits, _model_for_count
 from rayzero.train.worker import WorkerSpec, train_loop_per_worker
 
 logger = logging.getLogger("rayzero")
@@ -34,19 +35,66 @@ class Result:
     world_sizes: list[int]
     run_dir: str
     history: list[dict] = field(default_factory=list)
+    resumed_from: int | None = None  # the checkpoint step this fit started from (None: a fresh run)
 
 
-def _ensure_ray(cluster: ClusterConfig) -> None:
+class ClusterTooSmallError(RuntimeError):
+    """The Ray cluster cannot host the run's minimum number of workers: it cannot grow, or did not in time."""
+
+
+def _say(cluster: ClusterConfig, text: str) -> None:
+    """A start-up phase line on the driver (with ``progress``), and in the log."""
+    logger.info("%s", text)
+    if cluster.progress:
+        print(f"[rayzero] {text}", flush=True)
+
+
+def _cluster_summary() -> str:
     import ray
 
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    total = ray.cluster_resources()
+    parts = [f"{len(nodes)} node{'' if len(nodes) == 1 else 's'}"]
+    parts += [f"{total[k]:g} {k}" for k in ("CPU", "GPU") if total.get(k)]
+    return ", ".join(parts)
+
+
+def _ensure_ray(cluster: ClusterConfig) -> bool:
+    """Join or start Ray, saying which; returns whether this process started the cluster (a local one: it has
+    no autoscaler).  Unless ``verbose``, Ray's INFO lines on the driver are off."""
+    import ray
+
+    from rayzero.train.agent import started_here
+
     if ray.is_initialized():
-        return
+        _say(cluster, f"using the Ray cluster this process is connected to ({_cluster_summary()})")
+        return started_here()
     address = cluster.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        # No address: join a cluster started on this machine with `ray start`, else start one sized to it.
-        ray.init(log_to_driver=True)
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        running = canonicalize_bootstrap_address(address)  # where ray.init() will connect, None: start one
+    except Exception:
+        running = address
+    _say(cluster, f"connecting to the Ray cluster at {running}" if running else "starting a local Ray cluster")
+    token_notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = token_notice.level
+    if not cluster.verbose:
+        token_notice.setLevel(logging.ERROR)  # "token authentication is enabled ...", on every local start
+    try:
+        kwargs = {} if cluster.verbose else {"logging_level": logging.WARNING}
+        if address:
+            context = ray.init(address=address, log_to_driver=True, **kwargs)
+        else:
+            # No address: join a cluster started on this machine with `ray start`, else start one sized to it.
+            context = ray.init(log_to_driver=True, **kwargs)
+    finally:
+        token_notice.setLevel(level)
+    here = started_here()
+    dashboard = getattr(context, "dashboard_url", None)
+    _say(cluster, f"{'started a local Ray cluster' if here else 'connected'}: {_cluster_summary()}"
+         + (f", dashboard http://{dashboard}" if dashboard else ""))
+    return here
 
 
 def _check_picklable(model: Any) -> None:
@@ -76,63 +124,203 @@ def _check_storage(path: str) -> None:
         ) from None
 
 
-def _wait_for_resources(cluster: ClusterConfig) -> None:
-    import ray
+def _wait_for_resources(cluster: ClusterConfig, started: bool) -> None:
+    """Make sure the cluster has worker slots for ``min`` workers before anything starts on it.
 
-    need = {k: v * cluster.min_workers for k, v in cluster.resources_per_worker.items()}
-    if cluster.use_gpu and "GPU" not in need:  # Ray gives each worker one GPU unless told otherwise
-        need["GPU"] = cluster.min_workers
-    deadline = time.monotonic() + cluster.start_timeout_s
-    while True:
-        have = ray.cluster_resources()
-        short = {k: (v, have.get(k, 0)) for k, v in need.items() if have.get(k, 0) < v}
-        if not short:
-            return
-        if time.monotonic() > deadline:
-            detail = ", ".join(f"{k}: need {n:g}, cluster has {h:g}" for k, (n, h) in short.items())
-            raise RuntimeError(
-                f"the Ray cluster is too small for {cluster.min_workers} worker(s) ({detail}) after waiting "
-                f"{cluster.start_timeout_s:g}s; add nodes, lower workers, or lower resources_per_worker"
+    A slot is one worker's resources on one node (a worker never spans nodes).  Too few slots: a cluster that
+    cannot grow (this process started it, or no autoscaler runs on it) is refused at once with the numbers; with
+    an autoscaler the driver asks it for the workers (``ray.autoscaler.sdk.request_resources``) and waits up to
+    ``start_timeout_s``, saying what is missing.  Enough slots but not enough free now: Ray Train waits for them."""
+    from rayzero.train.agent import autoscaler_status, cluster_nodes, describe_slots, slots, worker_bundle
+
+    bundle = worker_bundle(cluster.resources_per_worker, cluster.use_gpu)
+    want, most = cluster.min_workers, cluster.max_workers
+    nodes = cluster_nodes()
+    have = sum(slots(total, bundle) for _, total, _ in nodes)
+    plural = "s" if want != 1 else ""
+    if have < want or (cluster.elastic and have < most):
+        if started:
+            grows, why = False, "this process started it as a local cluster, which has no autoscaler"
+        else:
+            grows, why = autoscaler_status()
+        if have < want and not grows:
+            raise ClusterTooSmallError(
+                f"the Ray cluster is too small for {want} worker{plural} and cannot grow: "
+                f"{describe_slots(bundle, nodes, want)} ({len(nodes)} node{'' if len(nodes) == 1 else 's'}); "
+                f"{why}. " + (f"Ask for at most {have} worker(s) (an elastic range like workers=(1, {have}) grows "
+                              "when nodes join), lower resources_per_worker, or add nodes" if have else
+                              "No node can host one worker: lower resources_per_worker, or add nodes that have them")
             )
-        time.sleep(1.0)
+        if have >= want:
+            _say(cluster, f"the elastic range goes up to {most} workers, and the cluster has {have} worker slots "
+                          f"now ({'an autoscaler may add more' if grows else why})")
+    if have < want:
+        _grow(cluster, bundle, want, why)
+        nodes = cluster_nodes()
+    else:
+        _say(cluster, f"{want} worker{plural} wanted, the cluster has {describe_slots(bundle, nodes, want)}")
+    free = sum(slots(avail, bundle) for _, _, avail in nodes)
+    if free < want:
+        _say(cluster, f"waiting for {want} worker{plural}: {describe_slots(bundle, nodes, want, free=True)}; "
+                      "Ray Train starts them when the resources are free")
+
+
+def _grow(cluster: ClusterConfig, bundle: dict, want: int, why: str) -> None:
+    """Ask the autoscaler for ``want`` workers' slots and wait for them (up to ``start_timeout_s``)."""
+    from ray.autoscaler.sdk import request_resources
+
+    from rayzero.train.agent import cluster_nodes, describe_slots, slots
+
+    plural = "s" if want != 1 else ""
+    request_resources(bundles=[dict(bundle) for _ in range(want)])
+    started = time.monotonic()
+    deadline = started + cluster.start_timeout_s
+    said, said_at = None, 0.0
+    try:
+        while True:
+            nodes = cluster_nodes()
+            have = sum(slots(total, bundle) for _, total, _ in nodes)
+            if have >= want:
+                _say(cluster, f"the cluster has grown to {have} worker slots "
+                              f"(after {time.monotonic() - started:.0f} s)")
+                return
+            now = time.monotonic()
+            detail = describe_slots(bundle, nodes, want)
+            if now > deadline:
+                raise ClusterTooSmallError(
+                    f"the Ray cluster is still too small for {want} worker{plural} after waiting "
+                    f"{cluster.start_timeout_s:g} s for its autoscaler ({why}): {detail}. `ray status` shows what "
+                    "the autoscaler is doing; raise start_timeout_s, lower workers or resources_per_worker, or add "
+                    "nodes"
+                )
+            if detail != said or now - said_at >= 30:
+                _say(cluster, f"waiting for {want} worker{plural}: {detail}; the autoscaler was asked for them "
+                              f"({why}); {deadline - now:.0f} s left of start_timeout_s")
+                said, said_at = detail, now
+            time.sleep(1.0)
+    finally:
+        request_resources(bundles=[])  # Ray Train asks for its workers itself once it runs
+
+
+def _resume_step(run_dir: str) -> tuple[int, str] | None:
+    """``(step, checkpoint directory name)`` of the checkpoint Ray Train hands the workers when the run at
+    ``run_dir`` starts again (the latest one in its ``checkpoint_manager_snapshot.json``), or None: a fresh run."""
+    storage = Storage.resolve(run_dir)
+    snapshot = storage.join("checkpoint_manager_snapshot.json")
+    try:
+        if not storage.exists(snapshot):
+            return None
+        latest = json.loads(storage.read_bytes(snapshot).decode()).get("latest_checkpoint_result") or {}
+        name = latest.get("checkpoint_dir_name") or ""
+        if not name or not storage.is_dir(storage.join(name)):
+            return None
+    except (OSError, ValueError, AttributeError):
+        return None
+    step = (latest.get("metrics") or {}).get("step")
+    if not isinstance(step, int):
+        m = re.search(r"checkpoint_step(\d+)$", name)
+        step = int(m.group(1)) if m else None
+    return None if step is None else (step, name)
+
+
+def _train_loop(spec: WorkerSpec) -> dict:
+    """What Ray Train runs on each worker: rank 0 tells the driver that the worker group is up and what it builds
+    and loads (``publish_phase``), then every rank runs ``worker.train_loop_per_worker``."""
+    import ray.train
+
+    from rayzero.train.metrics import publish_phase
+
+    if not spec.extra.get("verbose", True):
+        _quiet_train_reports()
+    ctx = ray.train.get_context()
+    if ctx.get_world_rank() == 0:
+        world = ctx.get_world_size()
+        text = f"{world} worker{'' if world == 1 else 's'} up: building the model and engine"
+        publish_phase(ctx.get_experiment_name(), text, start=True)  # the worker loop publishes the next phases
+    return train_loop_per_worker(spec)
+
+
+def _quiet_train_reports() -> None:
+    """Ray Train 2.60 logs every ``ray.train.report`` at INFO ("Reporting training result N: TrainingReport(...)")
+    on a logger named by its file's path, outside ``ray.train``, so ``RunConfig(logging_config=...)`` does not
+    reach it; on a worker of a quiet run it is set to WARNING."""
+    try:
+        from ray.train.v2._internal.execution import context
+
+        logging.getLogger(context.__file__).setLevel(logging.WARNING)
+    except Exception:
+        pass
 
 
 class _Progress(threading.Thread):
-    """Prints step, loss, samples/s and ETA from the run's metrics file: one line per update, readable in
-    `ray job logs` (a carriage-return bar only when stdout is a terminal)."""
+    """Prints the workers' start-up phases as they come, and step, loss, lr, samples/s and an ETA from the run's
+    metrics file: one line per update, readable in `ray job logs` (rewritten in place only on a terminal).
+    Only this fit's records count (a resumed run's file holds the earlier ones too)."""
 
-    def __init__(self, run_dir: str, max_steps: int, every_s: float = 2.0):
+    def __init__(self, run_dir: str, max_steps: int, run: str, every_s: float = 2.0, tick_s: float = 0.5):
         super().__init__(daemon=True, name="rayzero-progress")
-        self.run_dir, self.max_steps, self.every_s = run_dir, max_steps, every_s
+        self.run_dir, self.max_steps, self.run_name = run_dir, max_steps, run
+        self.every_s, self.tick_s = every_s, tick_s
         self.stop = threading.Event()
         self.tty = sys.stdout.isatty()
-        self.last_step = 0
+        self.inline = False  # a progress line is on the terminal's current line
+        self.last_step: int | None = None
+        self.seen: set = set()
+        self.groups = 0
+        try:
+            self.skip = len(read_metrics(run_dir))
+        except (FileNotFoundError, OSError):
+            self.skip = 0
 
     def run(self) -> None:
-        start = time.time()
-        while not self.stop.wait(self.every_s):
-            self.show(start)
-        self.show(start)
-        if self.tty:
+        next_show = 0.0
+        while True:
+            stopping = self.stop.wait(self.tick_s)
+            self.phases()
+            if stopping or time.monotonic() >= next_show:
+                self.show()
+                next_show = time.monotonic() + self.every_s
+            if stopping:
+                break
+        if self.inline:
             print(flush=True)
 
-    def show(self, start: float) -> None:
+    def emit(self, line: str, inline: bool = False) -> None:
+        if self.tty and inline:
+            print("\r" + line + "\x1b[K", end="", flush=True)
+            self.inline = True
+            return
+        if self.inline:
+            print(flush=True)
+            self.inline = False
+        print(line, flush=True)
+
+    def phases(self) -> None:
+        from rayzero.train.metrics import read_phases
+
         try:
-            records = read_metrics(self.run_dir)
+            new = read_phases(self.run_name, self.seen)
+        except Exception:
+            return
+        for phase in new:
+            text = phase.get("text", "")
+            if phase.get("start"):
+                self.groups += 1
+                if self.groups > 1:
+                    text = f"worker group restarted: {text}"
+            self.emit(f"[rayzero] {text}")
+
+    def show(self) -> None:
+        from rayzero.train.metrics import eta_seconds, progress_line
+
+        try:
+            records = read_metrics(self.run_dir)[self.skip:]
         except (FileNotFoundError, OSError):
             return
         if not records or records[-1]["step"] == self.last_step:
             return
-        r = records[-1]
-        self.last_step = r["step"]
-        elapsed = time.time() - start
-        rate = r["step"] / elapsed if elapsed > 0 else 0
-        eta = (self.max_steps - r["step"]) / rate if rate > 0 else float("nan")
-        line = (
-            f"[rayzero] step {r['step']}/{self.max_steps}  loss {r['loss']:.4f}  "
-            f"{r['samples_per_s']:.0f} samples/s  world {r['world_size']}  ETA {eta:.0f}s"
-        )
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", flush=True)
+        self.last_step = records[-1]["step"]
+        self.emit(progress_line(records[-1], self.max_steps, eta_seconds(records, self.max_steps)), inline=True)
 
 
 def fit(
@@ -161,8 +349,10 @@ def fit(
     tp x dp (dp a multiple of ep) and the global batch is cut over the dp data shards: the ranks of one TP
     group read the same samples, and a factory is called with the data-parallel rank and size.
     """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+
+    from rayzero.train.metrics import clear_phases, set_worker_output
 
     cluster = ClusterConfig.from_any(cluster_cfg)
     cfg = Config.from_any(config if config is not None else {})
@@ -191,8 +381,8 @@ def fit(
     name = cluster.name or f"rayzero-{time.strftime('%Y%m%d-%H%M%S')}"
     _check_storage(cluster.storage)
 
-    _ensure_ray(cluster)
-    _wait_for_resources(cluster)
+    started = _ensure_ray(cluster)
+    _wait_for_resources(cluster, started)
     from rayzero.train.agent import format_node_table, node_table
 
     nodes = node_table()
@@ -242,6 +432,7 @@ def fit(
         tp=tp,
         ep=ep,
         world_sizes=sorted(plans),
+        extra={"verbose": cluster.verbose},
     )
     for what in ("data", "loss_fn", "train_step", "collate"):
         try:
@@ -253,7 +444,7 @@ def fit(
                             "(a module-level function or class, or a factory)") from None
     workers = (cluster.min_workers, cluster.max_workers) if cluster.elastic else cluster.min_workers
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        _train_loop,
         train_loop_config=spec,
         scaling_config=ScalingConfig(
             num_workers=workers,
@@ -266,6 +457,8 @@ def fit(
             storage_path=cluster.storage,
             failure_config=FailureConfig(max_failures=cluster.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cluster.keep_checkpoints),
+            # Ray Train's INFO lines (resource requests, worker group starts, every report's TrainingReport)
+            logging_config=LoggingConfig(log_level="INFO" if cluster.verbose else "WARNING"),
         ),
         datasets={"train": data} if _is_ray_dataset(data) else None,
     )
@@ -275,7 +468,12 @@ def fit(
         run_dir = f"{base.rstrip('/')}/{name}" + (f"?{query}" if query else "")
     else:
         run_dir = os.path.join(cluster.storage, name)
-    progress = _Progress(run_dir, max_steps) if cluster.progress else None
+    resume = _resume_step(run_dir)
+    if resume is not None:
+        _say(cluster, f"resuming run {name} from step {resume[0]} (checkpoint {resume[1]})")
+    _say(cluster, f"launching {cluster.min_workers}" + (f"-{cluster.max_workers}" if cluster.elastic else "")
+         + f" worker{'s' if cluster.max_workers > 1 else ''} with Ray Train (run {name})")
+    progress = _Progress(run_dir, max_steps, name) if cluster.progress else None
     swap_root = swap_path(cfg)  # with NVMe offload: one NodeSwapStore per node owns the run's swap files
     swap_stores: dict = {}  # their handles: a store lives while its creator holds one
     try:
@@ -283,11 +481,16 @@ def fit(
             _start_swap(counted, cfg, cluster, sorted(plans), name, swap_root, swap_stores)
         if progress is not None:
             progress.start()
+        set_worker_output(quiet=not cluster.verbose)
         result = trainer.fit()
     finally:
         if progress is not None and progress.is_alive():
             progress.stop.set()
             progress.join(timeout=10)
+        try:
+            clear_phases(name)
+        except Exception:
+            pass
         if swap_root:
             from rayzero.train.swap_actor import shutdown_stores
 
@@ -309,6 +512,7 @@ def fit(
         world_sizes=worlds,
         run_dir=run_dir,
         history=history,
+        resumed_from=resume[0] if resume is not None else None,
     )
 
 
@@ -344,166 +548,6 @@ def _plan_run(cfg: Config, cluster: ClusterConfig) -> tuple[int, list[int] | Non
         micro_sizes = MicroBatchSizes(micro_sizes, micro_batch=micro, accumulation=accumulation)
     plans = plan_range(global_batch, cluster.min_workers, cluster.max_workers, micro_sizes, tp, ep)
     return global_batch, micro_sizes, plans
-
-
-def model_state_bytes_per_param(stage: int, world: int, mixed_precision: bool, optimizer_bytes: int = 8) -> float:
-    """Model-state bytes one rank holds per trainable parameter it trains: docs/design.md "Memory per rank"
-    (fp32 master, fp32 gradients, AdamW's two fp32 moments = ``optimizer_bytes``).  ``world`` is the number of
-    ranks the parameter's ZeRO partition is split over; stage 3's persistent parameters come on top.
-
-    ======  ===================  ===================
-    stage   fp32 compute         bf16/fp16 compute
-    ======  ===================  ===================
-    0       16                   18
-    1       8 + 16/W             6 + 16/W
-    2       4 + 16/W             2 + 16/W
-    3       16/W (+ persistent)  16/W (+ persistent)
-    ======  ===================  ===================
-    """
-    weights = 2 if mixed_precision else 4  # the model's own (compute-dtype) parameters
-    master, grad = 4, 4
-    if stage == 0:  # nothing partitioned; in fp32 the model's parameters are views of the master
-        return (weights if mixed_precision else 0) + master + grad + optimizer_bytes
-    partition = (master + grad + optimizer_bytes) / world  # fp32 master, gradient and moments partitions
-    if stage == 1:
-        return weights + 4 + partition  # + the persistent fp32 local gradient buffer (the whole gradient)
-    if stage == 2:
-        return weights + partition
-    return partition  # stage 3: parameters live only as shards between uses
-
-
-def model_state_bytes_per_worker(
-    num_params: int,
-    stage: int,
-    world: int,
-    mixed_precision: bool,
-    *,
-    persistent_params: int = 0,
-    frozen_params: int = 0,
-    optimizer_bytes: int = 8,
-) -> int:
-    """ZeRO model-state memory of one worker: ``num_params`` trainable parameters partitioned over ``world``
-    ranks (``model_state_bytes_per_param``), plus the compute-dtype copies every rank keeps whole: stage 3's
-    persistent parameters (at most ``stage3_param_persistence_threshold`` elements) and frozen parameters.
-    The plan's memory floor: activations and transient buffers come on top."""
-    weights = 2 if mixed_precision else 4
-    need = model_state_bytes_per_param(stage, world, mixed_precision, optimizer_bytes) * num_params
-    if stage == 3:
-        need += weights * persistent_params
-    return int(round(need + weights * frozen_params))
-
-
-def _expert_params(model: torch.nn.Module) -> set:
-    """The parameters AutoEP splits over ep: rayzero MoE experts (marked) and transformers experts modules."""
-    from rayzero.moe.experts import looks_like_experts
-
-    out = {p for p in model.parameters() if getattr(p, "_rayzero_expert", False)}
-    for module in model.modules():
-        if looks_like_experts(module):
-            out.update(module.parameters())
-    return out
-
-
-def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int, offload: str | None = None) -> tuple[int, int]:
-    """``(bytes, parameters)``: the model-state bytes of one of ``world`` workers and the model's parameter
-    count.  With tensor parallelism every parameter counts 1/tp (AutoTP leaves embeddings and norms whole,
-    so this can only under-count), partitioned over the ``world // tp`` data shards; with expert
-    parallelism the experts count 1/ep more, partitioned over the ``dp // ep`` expert-data-parallel ranks.
-
-    With the optimizer offloaded (``offload``, default the config's ``offload_optimizer.device``; ``auto``
-    counts as ``none``) the bytes are those ``rayzero.offload.plan.ram_bytes_per_param`` keeps in memory:
-    ``nvme`` moves the fp32 master and optimizer state to disk."""
-    from rayzero.offload.plan import ram_bytes_per_param
-
-    z = cfg.zero_optimization
-    offload = offload or z.offload_optimizer.device
-    offload = "none" if offload == "auto" else offload
-    tp = cfg.tensor_parallel.autotp_size
-    ep = cfg.expert_parallel.size
-    dp = max(1, world // tp)
-    edp = max(1, dp // ep)
-    stage = cfg.zero_optimization.stage
-    mixed = cfg.compute_dtype != torch.float32
-    threshold = cfg.zero_optimization.stage3_param_persistence_threshold
-    optimizer_bytes = optimizer_state_bytes(cfg)
-    experts = _expert_params(model) if ep > 1 else set()
-    params = list(dict.fromkeys(model.parameters()))  # tied weights once
-    weights = 2 if mixed else 4
-    need = 0.0
-    partition = largest = 0  # elements of this rank's optimizer partition, and of its largest parameter
-    for p in params:
-        expert = p in experts
-        held = p.numel() / (tp * ep if expert else tp)  # the elements this rank holds
-        if not p.requires_grad:  # frozen: whole on every rank, in the compute dtype
-            need += weights * held
-            continue
-        ranks = edp if expert else dp
-        chunk = math.ceil(held / (ranks if stage else 1))
-        partition, largest = partition + chunk, max(largest, chunk)
-        if offload == "none" and z.offload_param.device == "none":
-            need += model_state_bytes_per_param(stage, ranks, mixed, optimizer_bytes) * held
-        else:
-            need += ram_bytes_per_param(stage, ranks, mixed, optimizer_bytes, offload,
-                                        offload_param=z.offload_param.device) * held
-        if stage == 3 and p.numel() <= threshold:  # persistent: whole on every rank between steps too
-            need += weights * held
-    if offload == "nvme":  # the swap pool's buffers (offload/plan.py swap_pool_bytes)
-        from rayzero.offload.optimizer import sub_group_size
-        from rayzero.offload.plan import swap_pool_bytes
-
-        sub = max(sub_group_size(cfg, partition, nvme=True), largest)
-        need += swap_pool_bytes(partition, sub, z.offload_optimizer.buffer_count, optimizer_bytes)
-    return int(round(need)), sum(p.numel() for p in params)
-
-
-def _model_for_count(model: Any) -> torch.nn.Module | None:
-    """The model itself, or a factory's model built on the meta device (shapes only, nothing allocated);
-    None when a factory cannot be built there."""
-    if isinstance(model, torch.nn.Module):
-        return model
-    try:
-        with torch.device("meta"):
-            built = model()
-    except Exception as e:
-        logger.info("memory check skipped: the model factory could not be built on the meta device (%s: %s)",
-                    type(e).__name__, e)
-        return None
-    return built if isinstance(built, torch.nn.Module) else None
-
-
-def _check_fits(model: Any, cfg: Config, cluster: ClusterConfig, nodes: list[dict]) -> None:
-    """Reject a plan whose model states cannot fit in the memory the nodes' processes may really use, at the
-    smallest world size of the range (the largest share per worker).  A factory is built on the meta device to
-    count its parameters."""
-    if not nodes:
-        return
-    counted = _model_for_count(model)
-    if counted is None:
-        return
-    world = cluster.min_workers
-    need, n = model_state_bytes(counted, cfg, world)
-    # memory_total is per device: a node hosts as many workers as it has devices (one on a CPU node)
-    biggest = max(r["memory_total"] for r in nodes)
-    total = sum(r["memory_total"] * max(1, r.get("devices") or 1) for r in nodes)
-    if need > biggest or need * world > total:
-        gib = 1 << 30
-        stage = cfg.zero_optimization.stage
-        dtype = str(cfg.compute_dtype).replace("torch.", "")
-        tp = cfg.tensor_parallel.autotp_size
-        ep = cfg.expert_parallel.size
-        layout = f" (tp {tp} x ep {ep})" if tp * ep > 1 else ""
-        offload = cfg.zero_optimization.offload_optimizer.device
-        layout += f" with the optimizer offloaded to {offload}" if offload not in ("none", "auto") else ""
-        raise ConfigError(
-            f"the plan cannot fit: {n:,} parameters at ZeRO stage {stage} with {dtype} compute on {world} "
-            f"worker(s){layout} need {need / gib:.1f} GiB of model state per worker ({need:,} bytes, "
-            f"{need / max(n, 1):.2f} bytes per parameter; docs/design.md, Memory per rank), {need * world / gib:.1f} "
-            f"GiB for all {world}, and the nodes' usable memory is "
-            f"{[round(r['memory_total'] / gib, 1) for r in nodes]} GiB (per device on a node with several); use a "
-            "higher ZeRO stage, more workers, or bigger nodes"
-            + ("" if offload == "nvme" else ", or offload the optimizer to NVMe (zero_optimization.offload_optimizer "
-               "device 'nvme' or 'auto', with nvme_path)")
-        )
 
 
 def _checkpoint_location(storage: str, run_dir: str, checkpoint) -> str | None:

@@ -55,7 +55,7 @@ def resolve_auto(counted: torch.nn.Module | None, cfg: Config, cluster: ClusterC
     """Decide ``offload_optimizer.device: "auto"`` for the whole run at the smallest world size (the largest
     share per worker): sets it in ``cfg`` and returns the line that says what was chosen and why (None when
     the device is not ``auto``).  A model that cannot be counted keeps ``auto``: each engine decides."""
-    from rayzero.train.fit import model_state_bytes
+    from rayzero.train.state_memory import model_state_bytes
 
     off = cfg.zero_optimization.offload_optimizer
     if off.device != "auto":
@@ -78,7 +78,7 @@ def swap_bytes(model: torch.nn.Module, cfg: Config, world: int) -> int:
     """Bytes one of ``world`` ranks keeps in its swap directory (``plan.swap_bytes_per_rank``): the trainable
     parameters it holds (1/tp, experts 1/ep more) partitioned over dp (experts over edp)."""
     from rayzero.offload.optimizer import optimizer_state_bytes
-    from rayzero.train.fit import _expert_params
+    from rayzero.train.state_memory import _expert_params
 
     z = cfg.zero_optimization
     tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size

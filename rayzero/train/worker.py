@@ -151,6 +151,10 @@ def _train(spec: WorkerSpec) -> dict:
         box = [newer]
         dist.broadcast_object_list(box, src=0)
         newer = box[0]
+    loading = newer or given
+    if rank == 0 and loading:
+        m = TAG_PATTERN.fullmatch(loading)
+        _phase(ctx, f"loading checkpoint {loading}" + (f" (step {int(m.group(1))})" if m else ""))
     if newer is not None:
         # A worker died after committing ``newer`` but before Ray Train recorded it: resume from that commit
         # (redoing its steps could fork from it, and an object store refuses to overwrite it), and record it
@@ -168,6 +172,8 @@ def _train(spec: WorkerSpec) -> dict:
         engine.load_checkpoint(Storage.on(checkpoint.filesystem, parent), tag=tag)
         resumed_from = tag
     start_step = engine.global_steps
+    if rank == 0:
+        _phase(ctx, f"first step: step {start_step + 1} of {spec.max_steps}")
 
     metrics = MetricsWriter(storage) if rank == 0 else None
     order = GlobalOrder(len(spec.data), spec.seed, spec.shuffle) if _is_map_dataset(spec.data) else None
@@ -235,6 +241,13 @@ def _train(spec: WorkerSpec) -> dict:
     result = {"final_loss": loss_value, "world_size": world, "start_step": start_step, "resumed_from": resumed_from}
     engine.destroy()
     return result
+
+
+def _phase(ctx, text: str) -> None:
+    """Tell the driver (its start-up phase lines) what rank 0 is doing now."""
+    from rayzero.train.metrics import publish_phase
+
+    publish_phase(ctx.get_experiment_name(), text)
 
 
 def _newer_commit(storage: Storage, given: str | None) -> str | None:
