@@ -139,3 +139,22 @@ def expected_samples(steps: int, global_batch: int, length: int, seed: int = 0) 
 
     order = GlobalOrder(length, seed)
     return {s: sorted(order.step_indices(s, global_batch)) for s in range(steps)}
+
+
+def stop_head(head, root: str, wait_s: float) -> None:
+    """Stop a Ray head a test started with ``subprocess.Popen(..., start_new_session=True)``: SIGTERM, up to
+    ``wait_s`` to exit, then SIGKILL whatever of its process group is left; remove its directory."""
+    import shutil
+    import subprocess
+
+    head.send_signal(signal.SIGTERM)
+    try:
+        head.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)  # anything of this head's group still alive
+    except ProcessLookupError:
+        pass
+    shutil.rmtree(root, ignore_errors=True)
+

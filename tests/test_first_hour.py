@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import rayzero
-from ray_cases import CONFIG, Regression, model_factory, mse
+from ray_cases import CONFIG, Regression, model_factory, mse, stop_head
 from rayzero.train.agent import (
     autoscaler_node_types,
     can_autoscale,
@@ -358,8 +358,6 @@ def autoscaling_head():
     node as processes on this machine.  A 1-CPU head, and one more 1-CPU node type (at most one such node).
     Token auth, its own ports and session directory; stopped by the PID of its process group."""
     import json
-    import shutil
-    import signal
     import socket
 
     bin_dir = os.path.dirname(sys.executable)
@@ -419,16 +417,7 @@ def autoscaling_head():
                 time.sleep(0.5)
         yield address, env
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)  # anything of this head's group still alive
-        except ProcessLookupError:
-            pass
-        shutil.rmtree(root, ignore_errors=True)
+        stop_head(head, root, 40)
 
 
 def test_with_an_autoscaler_fit_asks_for_the_workers_and_waits(autoscaling_head, tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+
+from ray_cases import stop_head
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -65,16 +66,7 @@ def ray_head():
                 time.sleep(0.5)
         yield address, env, root
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(head.pid, signal.SIGKILL)  # anything of this head's group still alive
-        except ProcessLookupError:
-            pass
-        shutil.rmtree(root, ignore_errors=True)
+        stop_head(head, root, 20)
 
 
 def test_ray_job_submit_runs_the_example(ray_head):

@@ -96,6 +96,16 @@ def _accelerator_for(device: torch.device) -> Any:
         return None
 
 
+def _pack_into(out: torch.Tensor, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Copy the flattened ``shards`` side by side into ``out`` (cast to its dtype); returns ``out``."""
+    offset = 0
+    for s in shards:
+        n = s.numel()
+        out[offset : offset + n].copy_(s.reshape(-1))
+        offset += n
+    return out
+
+
 def _same_device(t: torch.Tensor, device: torch.device) -> bool:
     if t.device.type != device.type:
         return False
@@ -151,13 +161,7 @@ class HostStaging:
         """Wait until no copy reads the buffer, then cast ``shards`` into it side by side; returns the filled
         part of the buffer (1-D, ``dtype``, on the host), valid until the next ``stage``."""
         self.fence.wait()
-        out = self._reserve(sum(s.numel() for s in shards))
-        offset = 0
-        for s in shards:
-            n = s.numel()
-            out[offset : offset + n].copy_(s.reshape(-1))
-            offset += n
-        return out
+        return _pack_into(self._reserve(sum(s.numel() for s in shards)), shards)
 
     def _send(self, host: torch.Tensor) -> torch.Tensor:
         """Copy ``host`` (the buffer, or a pinned partition) to the device, and fence the copy."""
@@ -184,13 +188,7 @@ class HostStaging:
         host = [s.device.type == "cpu" for s in shards]
         if shards and all(host) and (self.through_buffer or self.device.type != "cpu"):
             return self._send(self.stage(shards))
-        out = torch.empty(sum(s.numel() for s in shards), dtype=self.dtype, device=self.device)
-        offset = 0
-        for s in shards:
-            n = s.numel()
-            out[offset : offset + n].copy_(s.reshape(-1))
-            offset += n
-        return out
+        return _pack_into(torch.empty(sum(s.numel() for s in shards), dtype=self.dtype, device=self.device), shards)
 
     def synchronize(self) -> None:
         """Wait until no copy to the device reads host memory (the buffer or a partition) any more."""
