@@ -405,6 +405,7 @@ class Engine:
             for g in self.partitions.groups:
                 if multiplier != 1.0:
                     g.grad.mul_(multiplier)
+            self._host_copies_done()
             if self.swap is not None:  # NVMe: one sub-group in memory at a time
                 self.swap.step(self.partitions.groups)
             else:
@@ -514,6 +515,12 @@ class Engine:
         # (with NVMe offload the optimizer's sub-groups are read one at a time while they are written)
         return self._checkpoint.save(save_dir, tag, client_state, async_save)
 
+    def _host_copies_done(self) -> None:
+        """Before host partitions are rewritten (a step, a load): no copy to the device still reads them (stage
+        3 copies pinned host shards with non_blocking; a forward without a backward leaves them unfenced)."""
+        if self.gatherer is not None:
+            self.gatherer.staging.synchronize()
+
     def load_checkpoint(self, load_dir: str, tag: str | None = None, strict: bool = True) -> Any:
         """Load a universal checkpoint saved at any world size and stage; returns its ``client_state``.
 
@@ -522,6 +529,7 @@ class Engine:
         """
         self._check_alive()
         self._checkpoint.wait()
+        self._host_copies_done()
         self.reducer.zero_local()
         self.partitions.zero_grads()
         error = None

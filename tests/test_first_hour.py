@@ -90,6 +90,13 @@ def test_worker_output_filter_drops_ray_noise_and_prints_each_warning_once():
     oom = _batch("raylet", "Task was killed due to the node running low on memory.")
     assert f.filter(oom) == oom and f.filter(oom) == oom
     assert f.filter(_batch(4, "Failed to query Ray Train Controller actor state.", actor_name="PlacementGroupCleaner")) is None
+    # a restarted worker group's processes are heard again (a repeated traceback shows), warnings stay once
+    f.new_group()
+    assert f.filter(_batch(5, "hello from 1", warn))["lines"] == ["hello from 1"]
+    # what it remembers is bounded: the least recently seen lines are forgotten first
+    for i in range(f.REMEMBERED + 10):
+        f.filter(_batch(6, f"line {i}"))
+    assert len(f.lines) == f.REMEMBERED and "line 0" not in f.lines and f"line {f.REMEMBERED + 9}" in f.lines
 
 
 def test_node_table_says_free_disk_and_counts_gpus_and_cpus():

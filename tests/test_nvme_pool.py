@@ -125,3 +125,29 @@ def test_partial_load_under_nvme_keeps_the_parameters_the_checkpoint_lacks(tmp_p
     fresh = make_model(seed=3, unused=True).spare
     assert torch.equal(got["state"]["spare.weight"], fresh.weight.detach())
     assert torch.equal(got["state"]["spare.bias"], fresh.bias.detach())
+
+
+def amsgrad_turned_on_run(rank: int, world: int, device: str, swap_root: str, ckpt: str) -> dict:
+    """Save without amsgrad; load with it turned on (its state starts at zero), save again before any step,
+    then train: the new state tensor is swapped like the others."""
+    data = batches(4, 12)
+    saver = rayzero.initialize(make_model(), _config(world, "none", swap_root))
+    _train(saver, rank, world, data[:2])
+    saver.save_checkpoint(ckpt, tag="s2")
+    saver.destroy()
+    amsgrad = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "amsgrad": True}}}
+    engine = rayzero.initialize(make_model(seed=3), {**_config(world, device, swap_root), **amsgrad})
+    engine.load_checkpoint(ckpt, tag="s2")
+    engine.save_checkpoint(ckpt, tag="again")
+    losses = _train(engine, rank, world, data[2:])
+    state = engine.full_state_dict()
+    engine.destroy()
+    return {"state": state, "losses": losses}
+
+
+def test_a_state_the_config_turns_on_at_load_is_swapped_too(tmp_path):
+    plain = run_distributed(amsgrad_turned_on_run, 2, "none", "", str(tmp_path / "plain"))[0]
+    got = run_distributed(amsgrad_turned_on_run, 2, "nvme", str(tmp_path / "swap"), str(tmp_path / "ckpt"))[0]
+    assert got["losses"] == plain["losses"]
+    for name in plain["state"]:
+        assert torch.equal(got["state"][name], plain["state"][name]), name

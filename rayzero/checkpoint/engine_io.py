@@ -531,6 +531,9 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
             with swap.loading(gi, names if same_optimizer else None, keep_master=not complete) as flats:
                 st = _load_group(engine, index, g, group, flats, loadable, saved_params, saved_group_of,
                                  same_optimizer)
+                for k, v in (st or {}).items():  # a state the config turned on since the save: zeros, swapped too
+                    if k not in flats and torch.is_tensor(v) and v.shape == g.master.shape:
+                        swap.zero_state(gi, k)
             if st is not None:
                 torch_state[gi] = {k: swap.placeholder if k in flats else v for k, v in st.items()}
             continue

@@ -73,6 +73,7 @@ class NvmeOptimizerSwap:
             g.master.set_(self._empty)
         self._read_back: tuple[int, torch.Tensor] | None = None
         self._reverse = False  # every other step runs the sub-groups backwards: the pool's last ones go first
+        self._loading: tuple | None = None  # (sub-group, slot, buffers) while a checkpoint load fills one
         self.reads_skipped = 0  # sub-groups taken from the pool instead of the files (for tests and benches)
         partitions.master_reader = self.read_master
 
@@ -111,12 +112,6 @@ class NvmeOptimizerSwap:
         slot.settle_writes()
         slot.holds = None
         return slot
-
-    def invalidate(self) -> None:
-        """The files changed (a checkpoint load): nothing the pool still holds may be used again."""
-        for slot in self.slots:
-            slot.holds = None
-        self._read_back = None
 
     # ---- swapping ----------------------------------------------------------------------------------------
     def prefetch(self, gi: int, soon: set[int] = frozenset()) -> None:
@@ -189,6 +184,7 @@ class NvmeOptimizerSwap:
         """Step every sub-group in turn, reading the next ones while the current one steps.  The order
         alternates from step to step, so the sub-groups stepped last, whose values are still in the pool,
         are stepped first next time without being read again (the sub-groups are independent)."""
+        self.flush()  # the last step's writes had a forward and backward to finish; a failed one raises here
         n = len(groups)
         order = list(range(n - 1, -1, -1)) if self._reverse else list(range(n))
         self._reverse = not self._reverse
@@ -205,9 +201,9 @@ class NvmeOptimizerSwap:
             g.master.grad = None
             self.partitions.refresh_weights([g])
             self.swap_out(gi)
-        # The last writes finish during the next forward and backward: the buffers they read are not
-        # touched before the next step settles them, and the store runs a later read of the same file after
-        # its write.  A write that already failed (a full disk fails before any data moves) raises now.
+        # The last writes finish during the next forward and backward: the next step settles them before it
+        # changes any sub-group, and the store runs a later read of the same file after its write.  A write
+        # that already failed (a full disk fails before any data moves into a growing file) raises now.
         self.raise_failed_writes()
         self._read_back = None
 
@@ -259,6 +255,7 @@ class NvmeOptimizerSwap:
             master.zero_()
         g.master.set_(master)
         buffers = {name: slot.buffer(name, numel).zero_() for name in names or []}
+        self._loading = (gi, slot, buffers)
         ok = False
         try:
             yield buffers
@@ -269,10 +266,19 @@ class NvmeOptimizerSwap:
                 slot.writes = [self.store.write(self._key(gi, "master"), master)]
                 slot.writes += [self.store.write(self._key(gi, name), buf) for name, buf in buffers.items()]
                 if names is not None:
-                    self.state_names[gi] = list(names)
+                    self.state_names[gi] = list(buffers)
                     slot.holds = gi  # else the slot has the master but not the state the files keep
             g.master.set_(self._empty)
             slot.owner = None
+            self._loading = None
+
+    def zero_state(self, gi: int, name: str) -> torch.Tensor:
+        """Inside ``loading(gi, ...)``: a zeroed buffer for one more optimizer state tensor (one the config
+        turned on since the save), written to the files with the others."""
+        at, slot, buffers = self._loading
+        assert at == gi, "zero_state is only for the sub-group being loaded"
+        buffers[name] = slot.buffer(name, self._numel(gi)).zero_()
+        return buffers[name]
 
     @property
     def placeholder(self) -> torch.Tensor:

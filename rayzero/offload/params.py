@@ -174,11 +174,12 @@ class NvmeParamSwap:
     def _start(self, e: ParamEntry, key: str) -> bool:
         """Start reading ``e`` into the pool; False when every buffer is busy."""
         self._known(e, key)
+        self.settle_writes()  # never read a file while its new value is still being written (and a failed
+        # write raises here, before a buffer place is taken)
         placed = self.pool.place(e.chunk)
         if placed is None:
             return False
         buf, view = placed
-        self.settle_writes()  # never read a file while its new value is still being written
         try:
             future = self.store.read(key, view)
         except BaseException:
@@ -207,6 +208,9 @@ class NvmeParamSwap:
             return buf
         while key not in self.reading and not self._start(e, key):
             # every buffer holds reads ahead: the oldest go to the cache, freeing their buffers
+            if not self.reading:
+                raise RuntimeError(f"no offload_param read buffer can take {key} ({e.chunk} elements) although "
+                                   "no read is in flight; this is a rayzero bug, please report it")
             self._take(next(iter(self.reading)))
         return self._take(key)
 

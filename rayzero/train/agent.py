@@ -203,6 +203,9 @@ def can_autoscale(node_types: set[str] | None) -> bool:
     return bool(node_types) and any(t and not READONLY_NODE_TYPE.match(t) for t in node_types)
 
 
+UNREADABLE = {"(autoscaler status unreadable)"}
+
+
 def autoscaler_status(wait_s: float = 6.0) -> tuple[bool, str]:
     """``(whether an autoscaler can add nodes to the connected cluster, why we think so)``.
 
@@ -229,6 +232,8 @@ def autoscaler_status(wait_s: float = 6.0) -> tuple[bool, str]:
         time.sleep(1.0)
     if types is None:
         return False, "no autoscaler reports to this cluster (`ray status` shows no autoscaler)"
+    if types == UNREADABLE:  # not a "no": let the driver wait, bounded by start_timeout_s
+        return True, "the autoscaler's status could not be read, so the driver waits for the cluster to grow"
     if can_autoscale(types):
         return True, f"an autoscaler runs with node types {sorted(t for t in types if t)}"
     return False, ("it has no autoscaler: its nodes were started by hand (`ray start` or `ray.init`), and its "
@@ -259,8 +264,8 @@ def _node_types_now() -> set[str] | None:
 
         raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
         return autoscaler_node_types(json.loads(raw)) if raw else None
-    except Exception:
-        return None
+    except Exception:  # a Ray without this key, a client connection, ...: unknown, not "no autoscaler"
+        return UNREADABLE
 
 
 def started_here() -> bool:

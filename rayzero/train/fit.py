@@ -18,7 +18,7 @@ import torch
 from rayzero.checkpoint.storage import Storage
 from rayzero.config import Config, ConfigError
 from rayzero.train.cluster_config import ClusterConfig
-from rayzero.train.metrics import read_metrics
+from rayzero.train.metrics import new_worker_group, read_metrics
 from rayzero.train.offload_check import absolute_nvme_paths, check_swap_fits, node_slots, resolve_auto, swap_path
 from rayzero.train.planning import MicroBatchSizes, StepPlan, plan_range, skipped_sizes
 from rayzero.train.state_memory import _check_fits, _model_for_count
@@ -138,12 +138,13 @@ def _wait_for_resources(cluster: ClusterConfig, started: bool) -> None:
     nodes = cluster_nodes()
     have = sum(slots(total, bundle) for _, total, _ in nodes)
     plural = "s" if want != 1 else ""
-    if have < want or (cluster.elastic and have < most):
+    why = ""
+    if have < want:  # probing the autoscaler can take seconds: only when the answer decides something
         if started:
             grows, why = False, "this process started it as a local cluster, which has no autoscaler"
         else:
             grows, why = autoscaler_status()
-        if have < want and not grows:
+        if not grows:
             raise ClusterTooSmallError(
                 f"the Ray cluster is too small for {want} worker{plural} and cannot grow: "
                 f"{describe_slots(bundle, nodes, want)} ({len(nodes)} node{'' if len(nodes) == 1 else 's'}); "
@@ -151,9 +152,9 @@ def _wait_for_resources(cluster: ClusterConfig, started: bool) -> None:
                               "when nodes join), lower resources_per_worker, or add nodes" if have else
                               "No node can host one worker: lower resources_per_worker, or add nodes that have them")
             )
-        if have >= want:
-            _say(cluster, f"the elastic range goes up to {most} workers, and the cluster has {have} worker slots "
-                          f"now ({'an autoscaler may add more' if grows else why})")
+    elif cluster.elastic and have < most:
+        _say(cluster, f"the elastic range goes up to {most} workers, and the cluster has {have} worker slots now"
+                      + (" (a local cluster: it cannot grow)" if started else " (more join as nodes are added)"))
     if have < want:
         _grow(cluster, bundle, want, why)
         nodes = cluster_nodes()
@@ -203,24 +204,32 @@ def _grow(cluster: ClusterConfig, bundle: dict, want: int, why: str) -> None:
 
 
 def _resume_step(run_dir: str) -> tuple[int, str] | None:
-    """``(step, checkpoint directory name)`` of the checkpoint Ray Train hands the workers when the run at
-    ``run_dir`` starts again (the latest one in its ``checkpoint_manager_snapshot.json``), or None: a fresh run."""
+    """``(step, checkpoint directory name)`` of the checkpoint the workers resume from when the run at
+    ``run_dir`` starts again, or None: a fresh run.  That is the latest one in Ray Train's
+    ``checkpoint_manager_snapshot.json``, unless the storage holds a newer committed one, which the workers
+    load instead (``worker._newer_commit``)."""
+    from rayzero.train.worker import TAG_PATTERN, _newer_commit
+
     storage = Storage.resolve(run_dir)
     snapshot = storage.join("checkpoint_manager_snapshot.json")
+    found = None
     try:
-        if not storage.exists(snapshot):
-            return None
-        latest = json.loads(storage.read_bytes(snapshot).decode()).get("latest_checkpoint_result") or {}
-        name = latest.get("checkpoint_dir_name") or ""
-        if not name or not storage.is_dir(storage.join(name)):
-            return None
+        if storage.exists(snapshot):
+            latest = json.loads(storage.read_bytes(snapshot).decode()).get("latest_checkpoint_result") or {}
+            name = latest.get("checkpoint_dir_name") or ""
+            if name and storage.is_dir(storage.join(name)):
+                step = (latest.get("metrics") or {}).get("step")
+                if not isinstance(step, int):
+                    m = re.search(r"checkpoint_step(\d+)$", name)
+                    step = int(m.group(1)) if m else None
+                found = None if step is None else (step, name)
+        if storage.exists(storage.root):
+            newer = _newer_commit(storage, found[1] if found else None)
+            if newer is not None:
+                found = (int(TAG_PATTERN.fullmatch(newer).group(1)), newer)
     except (OSError, ValueError, AttributeError):
-        return None
-    step = (latest.get("metrics") or {}).get("step")
-    if not isinstance(step, int):
-        m = re.search(r"checkpoint_step(\d+)$", name)
-        step = int(m.group(1)) if m else None
-    return None if step is None else (step, name)
+        return found
+    return found
 
 
 def _train_loop(spec: WorkerSpec) -> dict:
@@ -308,6 +317,7 @@ class _Progress(threading.Thread):
                 self.groups += 1
                 if self.groups > 1:
                     text = f"worker group restarted: {text}"
+                    new_worker_group()
             self.emit(f"[rayzero] {text}")
 
     def show(self) -> None:

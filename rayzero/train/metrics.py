@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from collections import OrderedDict
 from typing import Any
 
 from rayzero.checkpoint.storage import Storage
@@ -232,9 +233,25 @@ class WorkerOutputFilter:
     WARNING = re.compile(r"warn", re.IGNORECASE)
     NUMBER = re.compile(r"\S*\d\S*")
 
+    REMEMBERED = 4096  # distinct lines (and warnings) remembered, the least recently seen forgotten first
+
     def __init__(self):
-        self.warnings: set[str] = set()
-        self.lines: dict[str, Any] = {}  # text -> the process that printed it first
+        self.warnings: OrderedDict[str, None] = OrderedDict()
+        self.lines: OrderedDict[str, Any] = OrderedDict()  # text -> the process that printed it first
+
+    def new_group(self) -> None:
+        """A new worker group started (a restart): its processes' lines are heard again; warnings stay once."""
+        self.lines.clear()
+
+    def _remember(self, table: OrderedDict, key: str, value: Any) -> Any:
+        """The value ``key`` already has (it becomes the most recent), else ``value``, stored."""
+        if key in table:
+            table.move_to_end(key)
+            return table[key]
+        table[key] = value
+        while len(table) > self.REMEMBERED:
+            table.popitem(last=False)
+        return value
 
     def filter(self, data: dict) -> dict | None:
         """``data`` is one batch of Ray's log stream (``lines``, ``pid``, ``actor_name``, ...): the batch with
@@ -252,10 +269,9 @@ class WorkerOutputFilter:
                 key = " ".join(self.NUMBER.sub("", line).split())
                 if key in self.warnings:
                     continue
-                self.warnings.add(key)
+                self._remember(self.warnings, key, None)
             else:
-                first = self.lines.setdefault(line, source)
-                if first != source:
+                if self._remember(self.lines, line, source) != source:
                     continue
             keep.append(line)
         if not keep:
@@ -267,6 +283,12 @@ class _Console:
     """The filter Ray's printing of the workers' output on this driver goes through (None: Ray's own printing)."""
 
     filter: WorkerOutputFilter | None = None
+
+
+def new_worker_group() -> None:
+    """The run's worker group restarted: the quiet console hears its processes' lines again."""
+    if _Console.filter is not None:
+        _Console.filter.new_group()
 
 
 def set_worker_output(quiet: bool) -> None:
