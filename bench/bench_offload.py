@@ -160,21 +160,10 @@ def setup_deepspeed_offload(model, a, world, spec):
     at DeepSpeed's defaults), the optimizer section aside: the others' AdamW hyper-parameters written out
     (bench_zero.deepspeed_optimizer).  DeepSpeed steps the offloaded states with its DeepSpeedCPUAdam (C++
     op, JIT-built on first use); its NVMe swapping (stage 3) needs the async_io op, i.e. libaio."""
-    from bench_zero import deepspeed_optimizer, init_deepspeed
+    from bench_zero import deepspeed_step
 
-    deepspeed = init_deepspeed()
-    cfg = offload_config(a, world, spec["stage"], spec["offload"], spec.get("sub_group"), a.nvme_path)
-    cfg["optimizer"] = deepspeed_optimizer(a)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    mse = torch.nn.functional.mse_loss
-
-    def step(x, y):
-        loss = mse(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach(), engine.get_global_grad_norm()
-
-    return step, getattr(engine, "destroy", lambda: None)
+    return deepspeed_step(model, a, offload_config(a, world, spec["stage"], spec["offload"], spec.get("sub_group"),
+                                                   a.nvme_path))
 
 
 # DeepSpeed's stages 1 and 2 accept offload_optimizer.device "nvme" but keep the optimizer states in CPU memory

@@ -344,8 +344,13 @@ def deepspeed_optimizer(a) -> dict:
 
 
 def setup_deepspeed(model, a, world, stage: int):
+    return deepspeed_step(model, a, zero_config(a, world, stage))
+
+
+def deepspeed_step(model, a, cfg: dict):
+    """A DeepSpeed engine from ``cfg`` with the others' AdamW (``deepspeed_optimizer``), and its MSE train step
+    returning (loss, grad norm); plus the engine's destroy."""
     deepspeed = init_deepspeed()
-    cfg = zero_config(a, world, stage)
     cfg["optimizer"] = deepspeed_optimizer(a)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     mse = torch.nn.functional.mse_loss

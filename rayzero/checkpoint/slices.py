@@ -9,7 +9,7 @@ import torch
 from rayzero.parallel.slicing import canonical_to_full, from_layout_dicts, local_shape_of, local_slice, order_key
 
 if TYPE_CHECKING:
-    from rayzero.checkpoint.engine_io import FragmentIndex
+    from rayzero.checkpoint.reader import FragmentIndex
 
 
 def slice_filler(index: FragmentIndex, saved: dict, entry):

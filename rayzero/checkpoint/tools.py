@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rayzero.checkpoint.engine_io import FragmentIndex, read_manifest, resolve_tag
+from rayzero.checkpoint.reader import FragmentIndex, read_manifest, resolve_tag
 from rayzero.checkpoint.format import (
     MANIFEST,
     STATE_MASTER,
