@@ -433,7 +433,8 @@ class Engine:
         if not every or self.global_steps % every or self.rank != 0:
             return
         msg = (
-            f"step {self.global_steps}: grad norm {self.global_grad_norm:.4g}, lr {self.get_lr()}, "
+            f"step {self.global_steps}: grad norm {self.global_grad_norm:.4g}, "
+            f"lr {', '.join(f'{lr:.3g}' for lr in self.get_lr())}, "
             f"skipped {self.skipped_steps}"
         )
         if self.config.fp16.enabled:
