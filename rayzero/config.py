@@ -347,8 +347,9 @@ class ZeroConfig(_Section):
     }
 
     stage: int = 0
-    reduce_bucket_size: int = 50_000_000
-    allgather_bucket_size: int = 50_000_000
+    # None: derived from the model and the transport at start-up (zero/buckets.py, docs/config.md)
+    reduce_bucket_size: int | None = None
+    allgather_bucket_size: int | None = None
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     stage3_prefetch_bucket_size: int = 50_000_000
@@ -380,8 +381,9 @@ class ZeroConfig(_Section):
                 f"config key 'zero_optimization.offload_param' needs ZeRO stage 3 (stage is {self.stage}): "
                 "set zero_optimization.stage to 3, or use offload_optimizer for stages 1 and 2"
             )
-        self._check("reduce_bucket_size", self.reduce_bucket_size > 0, "must be > 0 elements")
-        self._check("allgather_bucket_size", self.allgather_bucket_size > 0, "must be > 0 elements")
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            value = getattr(self, key)
+            self._check(key, value is None or value > 0, "must be > 0 elements (or left out for rayzero's choice)")
         self._check("stage3_prefetch_bucket_size", self.stage3_prefetch_bucket_size >= 0,
                     "must be >= 0 elements (0 turns prefetch off)")
         self._check("stage3_param_persistence_threshold", self.stage3_param_persistence_threshold >= 0,

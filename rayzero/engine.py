@@ -32,6 +32,7 @@ from rayzero.optim.loss_scaler import LossScaler
 from rayzero.parallel.slicing import canonical_to_full
 from rayzero.parallel.state import ParallelState
 from rayzero.topology import ParallelDims
+from rayzero.zero.buckets import engine_bucket_plan
 from rayzero.zero.partition import USER_GROUP_KEY, Partitions
 from rayzero.zero.stage12 import GradientReducer, WeightPublisher
 from rayzero.zero.init import materialize_frozen
@@ -156,19 +157,20 @@ class Engine:
                 prefetch=z.overlap_comm and z.stage3_prefetch_bucket_size > 0,
                 accelerator=self.accelerator,
             )
+        self.buckets = engine_bucket_plan(model, self.partitions, self.parallel.dp, cfg, self.rank)
         self.reducer = GradientReducer(
             self.partitions,
             # with offload, stage 1 reduces every backward into its one host accumulator per group, as
             # stage 2 does, instead of keeping a full-size gradient buffer
             2 if offload and self.stage == 1 else self.stage,
-            z.reduce_bucket_size,
+            self.buckets.reduce_bucket_size,
             cfg.comm_dtype,
             self.topology.dp,
             on_param_reduced=self.gatherer.on_param_reduced if self.gatherer else None,
         )
         self.publisher = WeightPublisher(
             self.partitions,
-            z.allgather_bucket_size,
+            self.buckets.allgather_bucket_size,
             self.compute_dtype,
             params=self.gatherer.persistent if self.gatherer is not None else None,
         )

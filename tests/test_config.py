@@ -228,7 +228,8 @@ def test_sizes_accept_float_notation_and_aliases():
 def test_defaults():
     cfg = Config()
     assert cfg.zero_optimization == ZeroConfig()
-    assert cfg.zero_optimization.reduce_bucket_size == 50_000_000
+    assert cfg.zero_optimization.reduce_bucket_size is None  # derived at start-up (zero/buckets.py)
+    assert cfg.zero_optimization.allgather_bucket_size is None
     assert cfg.optimizer is None and cfg.scheduler is None
     assert cfg.compute_dtype == torch.float32 and cfg.comm_dtype == torch.float32
     assert (cfg.seed, cfg.nonfinite_grad, cfg.steps_per_print, cfg.gradient_clipping) == (1234, "error", 10, 0.0)
