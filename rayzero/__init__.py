@@ -6,6 +6,15 @@ from rayzero.train.cluster_config import ClusterConfig
 from rayzero.train.fit import Result, fit
 from rayzero.zero.init import zero_init
 
+
+
+def tune(*args, **kwargs):
+    """``rayzero.train.tune.tune``: short trials on the cluster that pick the fastest config (docs/tune.md)."""
+    from rayzero.train.tune import tune as _tune
+
+    return _tune(*args, **kwargs)
+
+
 __all__ = [
     "ClusterConfig",
     "Config",
@@ -16,6 +25,7 @@ __all__ = [
     "Result",
     "fit",
     "initialize",
+    "tune",
     "zero_init",
 ]
 __version__ = "0.1.0"

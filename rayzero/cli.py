@@ -91,10 +91,101 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_plot)
 
 
+def load_object(spec: str):
+    """``package.module:name`` or ``path/to/file.py:name``: the object it names.  A file's module is sent to
+    Ray workers by value (they need not have the file on their import path)."""
+    import importlib
+    import importlib.util
+
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ValueError(f"{spec!r}: write module:name or path/to/file.py:name")
+    if where.endswith(".py") or os.sep in where:
+        path = os.path.abspath(where)
+        if not os.path.isfile(path):
+            raise ValueError(f"{spec!r}: no file {path}")
+        mod_name = "rayzero_user_" + os.path.splitext(os.path.basename(path))[0]
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        module_spec.loader.exec_module(module)
+        import ray.cloudpickle as cloudpickle
+
+        cloudpickle.register_pickle_by_value(module)
+    else:
+        module = importlib.import_module(where)
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ValueError(f"{spec!r}: {where} has no {name!r}") from None
+
+
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from rayzero.config import ConfigError
+    from rayzero.train.cluster_config import ClusterConfig
+    from rayzero.train.tune import tune
+
+    try:
+        tune(
+            load_object(args.model),
+            ClusterConfig(workers=args.workers, address=args.address, use_gpu=args.gpu),
+            config=args.config,
+            data=load_object(args.data),
+            loss_fn=load_object(args.loss) if args.loss else None,
+            train_step=load_object(args.train_step) if args.train_step else None,
+            steps=args.steps,
+            warmup=args.warmup,
+            stages=args.stages,
+            micro_batches=args.micro_batches,
+            bucket_factors=tuple(args.bucket_factors),
+            offload=args.offload,
+            search="grid" if args.grid else "coordinate",
+            confirm=args.confirm,
+            out=args.out,
+        )
+    except ConfigError as e:
+        print(f"rayzero: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def _add_tune(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="find the fastest stage, micro-batch, buckets and offload with short trials",
+                       description="Short training trials on the Ray cluster (run by Ray Tune) over ZeRO stage, "
+                       "micro-batch (the global batch stays the config's), bucket sizes and offload; writes the "
+                       "fastest config as JSON for rayzero.fit / rayzero.initialize.  See docs/tune.md.")
+    p.add_argument("--model", required=True, help="model factory (or module): module:name or file.py:name")
+    p.add_argument("--data", required=True, help="data factory (rank, world, micro_batch) -> iterable, or a Dataset")
+    p.add_argument("--loss", help="loss_fn(output, batch), as fit takes it")
+    p.add_argument("--train-step", help="train_step(engine, batch) -> loss, instead of --loss")
+    p.add_argument("--config", required=True, help="the rayzero config (JSON or YAML) to start from")
+    p.add_argument("--workers", type=int, default=2, help="workers per trial (default 2)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
+    p.add_argument("--gpu", action="store_true", help="one GPU per worker")
+    p.add_argument("--out", default="rayzero_tuned.json", help="where the best config goes (default %(default)s)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps a trial (default 6)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps a trial, not timed (default 2)")
+    p.add_argument("--stages", type=_csv(int), help="ZeRO stages to try (default 1,2,3 and the config's)")
+    p.add_argument("--micro-batches", type=_csv(int),
+                   help="micro-batch sizes to try (default: divisors of the per-worker batch within 4x of the config's)")
+    p.add_argument("--bucket-factors", type=_csv(float), default=[0.25, 0.5, 1.0, 2.0],
+                   help="bucket sizes to try, as multiples of the derived size (default 0.25,0.5,1,2)")
+    p.add_argument("--offload", type=_csv(str), help="optimizer offload choices: none,cpu,nvme (default: the config's)")
+    p.add_argument("--confirm", type=int, default=3,
+                   help="after the search, run the N fastest configs once more; each keeps its fastest run (default 3)")
+    p.add_argument("--grid", action="store_true", help="run every config of the grid instead of the search")
+    p.set_defaults(run=_tune)
+
+
 # Each command group registers itself here: (name, function that adds its subparser).
 COMMAND_GROUPS: list[tuple[str, Callable[[argparse._SubParsersAction], None]]] = [
     ("ckpt", _add_ckpt),
     ("plot", _add_plot),
+    ("tune", _add_tune),
 ]
 
 

@@ -158,3 +158,13 @@ def stop_head(head, root: str, wait_s: float) -> None:
         pass
     shutil.rmtree(root, ignore_errors=True)
 
+
+
+def tune_stream(rank, world, micro):
+    """Endless regression micro-batches for the ``rayzero tune`` tests; micro-batch 3 is refused, so a trial
+    that uses it fails the way a user's trial can."""
+    if micro == 3:
+        raise ValueError("micro-batch 3 is refused by this data factory")
+    g = torch.Generator().manual_seed(rank)
+    while True:
+        yield torch.randn(micro, IN, generator=g), torch.randn(micro, OUT, generator=g)
