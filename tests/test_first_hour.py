@@ -309,9 +309,11 @@ def test_quiet_console_phases_and_progress(ray_cluster, tmp_path):
         " 3 CPU ",
         "[rayzero] launching 2 workers with Ray Train (run tiny-gpt-",
         "[rayzero] 2 workers up: building the model and engine",
+        "[rayzero] derived reduce_bucket_size ",  # the config sets no bucket: rank 0's choice, once
         "[rayzero] step 3/3  loss ",
         "loss: first ",
     )
+    assert out.count("derived reduce_bucket_size") == 1
     for noise in ("TrainingReport", "Reporting training result", "(RayTrainWorker", "(TrainController",
                   "core_worker.cc", "Started a local Ray instance", "Connecting to existing Ray cluster"):
         assert noise not in out, noise

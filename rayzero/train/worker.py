@@ -132,6 +132,10 @@ def _train(spec: WorkerSpec) -> dict:
     torch.set_num_threads(max(1, int(os.environ.get("RAYZERO_THREADS_PER_WORKER", "1"))))
     plan = _plan_for(spec, world)
     config = {**spec.config, **plan.config_overrides()}
+    if rank == 0:  # the bucket sizes rayzero derives reach the console as a start-up phase line
+        from rayzero.zero import buckets
+
+        buckets.announce = lambda text: _phase(ctx, text)
     engine = rayzero.initialize(_build_model(spec), config)
     # the data coordinate: ranks of one TP group feed the same batch, so data is cut over dp, not world
     dp_rank, dp_world = engine.dp_rank, engine.dp_world_size

@@ -54,6 +54,15 @@ TRANSPORTS: dict[str, TransportProfile] = {
 DEFAULT_TRANSPORT = TRANSPORTS["gloo"]
 
 
+def _to_stderr(text: str) -> None:
+    print(f"rayzero: {text}", file=sys.stderr, flush=True)
+
+
+# Where rank 0 says which sizes it derived.  rayzero.fit's workers point it at the driver's start-up phase
+# lines ("[rayzero] derived ..."), so the console shows it once, without a worker's prefix.
+announce: Callable[[str], None] = _to_stderr
+
+
 @dataclass(frozen=True)
 class BucketPlan:
     reduce_bucket_size: int
@@ -63,8 +72,7 @@ class BucketPlan:
 
     def message(self) -> str:
         chosen = ", ".join(f"{k} {getattr(self, k):,}" for k in self.derived)
-        return (f"rayzero: derived {chosen} elements from {self.why}; set these keys in zero_optimization "
-                f"to override")
+        return f"derived {chosen} elements from {self.why}; set these keys in zero_optimization to override"
 
 
 def repeated_block(model: torch.nn.Module, numel: Callable[[torch.nn.Parameter], int]) -> tuple[str, int] | None:
@@ -138,5 +146,5 @@ def engine_bucket_plan(model: torch.nn.Module, partitions, dp_comm, config, rank
         backend, config.comm_dtype.itemsize, z.reduce_bucket_size, z.allgather_bucket_size,
     )
     if plan.derived and rank == 0:
-        print(plan.message(), file=sys.stderr, flush=True)
+        announce(plan.message())
     return plan
