@@ -104,6 +104,7 @@ def config_for(space: SearchSpace, point: dict) -> dict:
 def build_space(model_meta: torch.nn.Module | None, config: Any, world: int, use_gpu: bool, *,
                 stages=None, micro_batches=None, bucket_factors=(0.25, 0.5, 1.0, 2.0),
                 offload=None) -> SearchSpace:
+    from rayzero.train.planning import _divisors
     from rayzero.zero.buckets import derive_bucket_sizes
 
     cfg = Config.from_any(config if config is not None else {})
@@ -115,7 +116,7 @@ def build_space(model_meta: torch.nn.Module | None, config: Any, world: int, use
     batch = cfg.resolve_batch(max(1, world // tp))
     global_batch = batch.train_batch_size
     per_worker = global_batch // max(1, world // tp)
-    divisors = [d for d in range(1, per_worker + 1) if per_worker % d == 0]
+    divisors = _divisors(per_worker)
     user_micro = batch.micro_batch_size
     if micro_batches is None:  # within a factor of 4 of the user's micro-batch
         micro_batches = [d for d in divisors if user_micro / 4 <= d <= user_micro * 4]
