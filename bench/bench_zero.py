@@ -293,10 +293,13 @@ def zero_config(a, world: int, stage: int, defaults: bool = False) -> dict:
     }
 
 
-def setup_rayzero(model, a, world, stage: int, defaults: bool = False):
+def setup_rayzero(model, a, world, stage: int, defaults: bool = False, capture: list | None = None):
     import rayzero
 
-    engine = rayzero.initialize(model, zero_config(a, world, stage, defaults))
+    cfg = zero_config(a, world, stage, defaults)
+    if capture:
+        cfg["graph_capture"] = {"enabled": True, "targets": capture}
+    engine = rayzero.initialize(model, cfg)
     mse = torch.nn.functional.mse_loss
 
     def step(x, y):
@@ -393,6 +396,12 @@ def system_specs(world: int, memory: bool = False) -> list[dict]:
                               theory_stage=s, defaults=True))
     specs.append(dict(name="rayzero stage 3, zero_init", kind="rayzero", world=world, stage=3, theory_stage=3,
                       zero_init=True))
+    if not memory:  # the same config defaults with "graph_capture" on (compiled during the warm-up steps)
+        for s in (1, 2, 3):
+            specs.append(dict(name=f"rayzero stage {s}, graph capture", kind="rayzero", world=world, stage=s,
+                              theory_stage=s, defaults=True, capture=["step"]))
+        specs.append(dict(name="rayzero stage 2, graph capture + model", kind="rayzero", world=world, stage=2,
+                          theory_stage=2, defaults=True, capture=["step", "model"]))
     for raf in (False, True):
         specs.append(
             dict(name=f"FSDP2 reshard_after_forward={raf}", kind="fsdp2", world=world, raf=raf, theory_stage=3)
@@ -412,7 +421,7 @@ def setup_system(spec, model, a, world):
     if kind == "fsdp2":
         return setup_fsdp2(model, a, world, spec["raf"])
     if kind == "rayzero":
-        return setup_rayzero(model, a, world, spec["stage"], spec.get("defaults", False))
+        return setup_rayzero(model, a, world, spec["stage"], spec.get("defaults", False), spec.get("capture"))
     if kind == "deepspeed":
         return setup_deepspeed(model, a, world, spec["stage"])
     raise ValueError(kind)

@@ -87,6 +87,10 @@ class Engine:
     def _build(self, model: torch.nn.Module, model_parameters: Iterable | None) -> None:
         """Everything past the process groups: slicing, partitions, reducer, optimizer."""
         cfg = self.config
+        if cfg.graph_capture.enabled:
+            from rayzero.capture import check_capture
+
+            check_capture(self)
         if any(freed_by_destroy(p) for p in model.parameters()):
             raise RuntimeError(
                 "the model's parameters were freed by the Engine.destroy() of a ZeRO stage 3 engine; load "
@@ -218,6 +222,11 @@ class Engine:
         # wall_clock_breakdown: seconds spent in forward / backward / step since the last report
         self._timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._checkpoint = CheckpointIO(self)
+        self._capture = None
+        if cfg.graph_capture.enabled:
+            from rayzero.capture import setup_capture
+
+            self._capture = setup_capture(self)
 
     @property
     def _swap_store(self):
@@ -296,6 +305,10 @@ class Engine:
         chosen = {"fused", "foreach", "capturable", "differentiable"} & set(opt.params)
         if opt.type.lower() in ("adam", "adamw") and not chosen and self.accelerator.supports_fused_optimizer():
             opt = OptimizerConfig(type=opt.type, params={**opt.params, "fused": True})
+        if (self.config.graph_capture.enabled and self.accelerator.name == "cuda"
+                and opt.type.lower() in ("adam", "adamw") and "capturable" not in opt.params):
+            # a CUDA graph replays the step's kernels: its step counter must live on the device
+            opt = OptimizerConfig(type=opt.type, params={**opt.params, "capturable": True})
         return opt
 
     @staticmethod
@@ -397,26 +410,19 @@ class Engine:
         unscale = self.reducer.grad_scale() / self.loss_scaler.scale
         # stage 0 without EP/TP: every rank holds the whole reduced gradient, so the local sum is global
         replicated = self.stage == 0 and self.parallel.groups is None
-        raw = global_grad_norm(self.partitions.local_grad_sq_sum(replicated), None if replicated else self.comm)
+        capture = self._capture if self._capture is not None and self._capture.active() else None
+        local = capture.local_sq_sum(replicated) if capture else self.partitions.local_grad_sq_sum(replicated)
+        raw = global_grad_norm(local, None if replicated else self.comm)
         norm = raw * unscale
         self.global_grad_norm = norm
         if not math.isfinite(norm):
             self._skip_or_raise(norm)
         else:
             multiplier = unscale * clip_coefficient(norm, self.config.gradient_clipping)
-            for g in self.partitions.groups:
-                if multiplier != 1.0:
-                    g.grad.mul_(multiplier)
-            self._host_copies_done()
-            if self.swap is not None:  # NVMe: one sub-group in memory at a time
-                self.swap.step(self.partitions.groups)
+            if capture:
+                capture.update(multiplier)
             else:
-                for g in self.partitions.groups:
-                    g.master.grad = g.grad
-                self.optimizer.step()
-                for g in self.partitions.groups:
-                    g.master.grad = None
-                self.partitions.refresh_weights()
+                self._update(multiplier)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             if not self._params_alias_master:
@@ -428,6 +434,23 @@ class Engine:
         self.global_samples += self.batch.train_batch_size
         self._timings["step"] += time.perf_counter() - start
         self._report()
+
+    def _update(self, multiplier: float) -> None:
+        """Scale the gradient partitions by ``multiplier`` (unscale x clip) and step the optimizer on the
+        fp32 masters (the eager twin of rayzero.capture.step's captured update)."""
+        for g in self.partitions.groups:
+            if multiplier != 1.0:
+                g.grad.mul_(multiplier)
+        self._host_copies_done()
+        if self.swap is not None:  # NVMe: one sub-group in memory at a time
+            self.swap.step(self.partitions.groups)
+        else:
+            for g in self.partitions.groups:
+                g.master.grad = g.grad
+            self.optimizer.step()
+            for g in self.partitions.groups:
+                g.master.grad = None
+            self.partitions.refresh_weights()
 
     def _report(self) -> None:
         """Every ``steps_per_print`` steps, rank 0 logs progress (and timings with wall_clock_breakdown)."""
@@ -473,7 +496,7 @@ class Engine:
         experts is two optimizer groups inside, stepped with the same rate)."""
         lrs: dict[int, float] = {}
         for g, group in zip(self.partitions.groups, self.optimizer.param_groups):
-            lrs.setdefault(g.user_group, group["lr"])
+            lrs.setdefault(g.user_group, float(group["lr"]))  # a captured step keeps it as a 0-dim tensor
         return [lrs[k] for k in sorted(lrs)]
 
     @property
@@ -550,6 +573,8 @@ class Engine:
         self.partitions.refresh_weights()
         if not self._params_alias_master:
             self.publisher.publish()
+        if self._capture is not None:
+            self._capture.invalidate()  # the load gave the optimizer new state tensors: record again
         return client_state
 
     # ---- tear-down -------------------------------------------------------------------------------------
@@ -582,7 +607,7 @@ class Engine:
             g.master = g.grad = torch.empty(0)
             g.params = []
         self.partitions.entry_of.clear()
-        self.reducer = self.publisher = self.gatherer = None
+        self.reducer = self.publisher = self.gatherer = self._capture = None
         self._destroyed = True
         self.parallel.destroy()
         if self._created_process_group and dist.is_initialized():

@@ -90,14 +90,16 @@ def _engine_run(rank, world, zero: dict, steps: int):
     with contextlib.redirect_stderr(err):
         engine = rayzero.initialize(model, cfg)
     g = torch.Generator().manual_seed(1)
-    losses = []
+    losses, pooled = [], []
     for _ in range(steps):
         x = torch.randn(2 * world, 1024, generator=g)[rank * 2 : rank * 2 + 2]
         loss = engine(x).pow(2).mean()
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    out = dict(losses=losses, weights=engine.full_state_dict(), printed=err.getvalue(),
+        # the reducer's freed bucket buffers, by kind: (count, addresses)
+        pooled.append({k[0]: sorted(t.data_ptr() for t in v) for k, v in engine.reducer._pool.items()})
+    out = dict(losses=losses, weights=engine.full_state_dict(), printed=err.getvalue(), pooled=pooled,
                reduce=engine.buckets.reduce_bucket_size, allgather=engine.buckets.allgather_bucket_size,
                reduce_buckets=len(engine.reducer.buckets), publish_buckets=len(engine.publisher.buckets))
     engine.destroy()
@@ -116,6 +118,15 @@ def test_engine_derives_several_buckets_and_trains_bitwise_like_one_bucket(stage
     if stage < 3:  # stage 3 publishes only its persistent (small) parameters
         assert derived[0]["publish_buckets"] >= 6
     assert [r["reduce_buckets"] for r in one] == [1, 1]
+    # stages 2-3 take each bucket's buffers from a pool of at most MAX_INFLIGHT + 1 and the next backward
+    # reuses the same ones (no fresh pages); stage 1 keeps its rows, so only reduce-scatter outputs pool
+    from rayzero.zero.stage12 import GradientReducer
+
+    for r in derived:
+        first, last = r["pooled"][0], r["pooled"][-1]
+        assert first == last  # the same buffers, backward after backward
+        assert set(first) == ({"rows", "out"} if stage >= 2 else {"out"})
+        assert all(1 <= len(v) <= GradientReducer.MAX_INFLIGHT + 1 for v in first.values())
     # the sizes are printed once, by rank 0, and only when rayzero chose them
     assert derived[0]["printed"].count("rayzero: derived reduce_bucket_size") == 1
     assert f"{-(-total // 8):,}" in derived[0]["printed"]

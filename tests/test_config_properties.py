@@ -84,6 +84,8 @@ def _wrong_type_values(tp, optional: bool) -> st.SearchStrategy:
         return st.one_of(lists, maps, st.integers(), st.floats(), st.booleans(), none)
     if tp is dict or typing.get_origin(tp) is dict:
         return st.one_of(texts, lists, st.integers(), st.booleans(), none)
+    if tp is list or typing.get_origin(tp) is list:
+        return st.one_of(texts, maps, st.integers(), st.floats(), st.booleans(), none)
     if isinstance(tp, type) and issubclass(tp, _Section):
         return st.one_of(texts, lists, st.integers(), st.floats(), st.booleans(), none)
     raise AssertionError(f"no wrong values for {tp!r}")

@@ -47,6 +47,23 @@ def test_fit_gives_the_losses_of_the_plain_engine(tmp_path):
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_fit_with_graph_capture_keeps_the_compile_cache_in_the_run(tmp_path):
+    steps = 4
+    result = rayzero.fit(
+        model_factory,
+        {"workers": 2, "storage": str(tmp_path), "name": "captured", "checkpoint_every": 4, "progress": False},
+        config={**CONFIG, "graph_capture": {"enabled": True}},
+        data=Regression(),
+        loss_fn=mse,
+        max_steps=steps,
+    )
+    reference = run_distributed(plain_run, 2, steps, 6)[0]  # the eager engine
+    assert result.losses == pytest.approx(reference, rel=1e-5)
+    cached = os.listdir(os.path.join(result.run_dir, "compile_cache"))
+    assert len(cached) == 1 and cached[0].endswith("-cpu.bin")
+    assert os.path.getsize(os.path.join(result.run_dir, "compile_cache", cached[0])) > 0
+
+
 def test_worker_killed_with_sigkill_restarts_and_loses_no_sample(tmp_path):
     steps = 8
     marker = str(tmp_path / "killed-once")

@@ -138,9 +138,35 @@ class Accelerator(abc.ABC):
     def supports_fused_optimizer(self) -> bool:
         """Whether torch optimizers accept ``fused=True`` for tensors on this device."""
 
-    @abc.abstractmethod
     def supports_graph_capture(self) -> bool:
-        """Whether the engine may capture and replay the step as a graph."""
+        """Whether the engine may capture and replay work as graphs here: the registry
+        (``rayzero.accelerator.graphs``) declares this device kind's capture working.  Subclasses add
+        what the process itself needs (a compiler, a driver feature)."""
+        from rayzero.accelerator.graphs import capture_support
+
+        return capture_support(self.name).enabled
+
+    # ---- graph capture (rayzero.accelerator.graphs has the contract) -----------------------------
+
+    def create_graph(self) -> Any:
+        """A new, empty graph to capture into."""
+        from rayzero.accelerator.graphs import capture_off_error
+
+        raise capture_off_error(self.name)
+
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> AbstractContextManager[Any]:
+        """Context manager that records into ``graph``; it yields a recorder with ``record(fn, *args)``.
+        ``pool``: a memory pool shared with another graph (where the device has pools); ``stream``:
+        the stream to capture on (where it has streams)."""
+        from rayzero.accelerator.graphs import capture_off_error
+
+        raise capture_off_error(self.name)
+
+    def replay_graph(self, graph: Any) -> None:
+        """Run the work recorded in ``graph``."""
+        from rayzero.accelerator.graphs import capture_off_error
+
+        raise capture_off_error(self.name)
 
     # ---- randomness and determinism --------------------------------------------------
 

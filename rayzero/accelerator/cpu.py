@@ -211,7 +211,32 @@ class CpuAccelerator(Accelerator):
         return True
 
     def supports_graph_capture(self) -> bool:
-        return False
+        from rayzero.accelerator.graphs import cpu_compiler_available
+
+        return super().supports_graph_capture() and cpu_compiler_available()
+
+    def _check_capture(self) -> None:
+        from rayzero.accelerator.graphs import capture_off_error, cpu_compiler_available
+
+        if not super().supports_graph_capture():
+            raise capture_off_error(self.name)
+        if not cpu_compiler_available():
+            raise capture_off_error(self.name, "graph capture (no C++ compiler on PATH for inductor)")
+
+    def create_graph(self) -> Any:
+        from rayzero.accelerator.graphs import CompiledGraph
+
+        self._check_capture()
+        return CompiledGraph()
+
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> AbstractContextManager[Any]:
+        from rayzero.accelerator.graphs import capture_compiled
+
+        self._check_capture()
+        return capture_compiled(graph)  # one host "stream", memory from the process heap: no pool
+
+    def replay_graph(self, graph: Any) -> None:
+        graph.replay()
 
     # ---- randomness and determinism --------------------------------------------------
 

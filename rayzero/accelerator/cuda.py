@@ -131,8 +131,20 @@ class CudaAccelerator(Accelerator):
     def supports_fused_optimizer(self) -> bool:
         return True
 
-    def supports_graph_capture(self) -> bool:
-        return False  # not wired into the engine yet
+    def create_graph(self) -> torch.cuda.CUDAGraph:
+        if not self.supports_graph_capture():
+            from rayzero.accelerator.graphs import capture_off_error
+
+            raise capture_off_error(self.name)
+        return torch.cuda.CUDAGraph()
+
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> AbstractContextManager[Any]:
+        from rayzero.accelerator.graphs import capture_cuda
+
+        return capture_cuda(graph, pool=pool, stream=stream)
+
+    def replay_graph(self, graph: Any) -> None:
+        graph.replay()
 
     # ---- randomness and determinism --------------------------------------------------
 

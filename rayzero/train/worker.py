@@ -136,6 +136,13 @@ def _train(spec: WorkerSpec) -> dict:
         from rayzero.zero import buckets
 
         buckets.announce = lambda text: _phase(ctx, text)
+    run_storage = ctx.get_storage()
+    storage = Storage.on(run_storage.storage_filesystem, run_storage.experiment_fs_path)
+    capture = config.get("graph_capture") or {}
+    if capture.get("enabled") and not capture.get("cache_dir") and storage.local:
+        # the run's compiled kernels live beside its checkpoints: a restarted or resized worker group
+        # loads them instead of compiling again
+        config["graph_capture"] = {**capture, "cache_dir": storage.join("compile_cache")}
     engine = rayzero.initialize(_build_model(spec), config)
     # the data coordinate: ranks of one TP group feed the same batch, so data is cut over dp, not world
     dp_rank, dp_world = engine.dp_rank, engine.dp_world_size
@@ -145,8 +152,6 @@ def _train(spec: WorkerSpec) -> dict:
             f"(tp {plan.tp} x ep {plan.ep}); the config sent to the workers and the plan disagree"
         )
 
-    run_storage = ctx.get_storage()
-    storage = Storage.on(run_storage.storage_filesystem, run_storage.experiment_fs_path)
     resumed_from = None
     checkpoint = ray.train.get_checkpoint()
     given = os.path.basename(checkpoint.path.rstrip("/")) if checkpoint is not None else None

@@ -1,0 +1,98 @@
+"""Time to the first captured step with a cold and a warm compile cache (graph_capture.cache_dir).
+
+Each run is a fresh process with an empty inductor cache of its own (TORCHINDUCTOR_CACHE_DIR), so the
+only thing a warm run can reuse is what rayzero's compile cache hands it.  Rows:
+
+* eager: no capture (the floor: set-up plus two steps);
+* cold: capture of the step and the model, an empty cache_dir (compiles everything, rank 0 writes it);
+* warm: the same, with the cache_dir the cold run wrote (loads it before anything compiles).
+
+The clock runs from before ``rayzero.initialize`` to the end of step 2 (step 1 is the eager warm-up step;
+step 2 records and replays the step's graphs; the model compiles in step 1).  World size 1.
+
+    python bench/bench_compile_cache.py [--repeat 2] [--hidden 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child(mode: str, cache_dir: str, hidden: int) -> None:
+    import torch
+
+    sys.path.insert(0, ROOT)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29591"))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import rayzero
+    from bench.bench_zero import build_model
+
+    model = build_model(1024, hidden, 4)
+    cfg = {"train_batch_size": 8, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "gradient_clipping": 1.0}
+    if mode != "eager":
+        cfg["graph_capture"] = {"enabled": True, "targets": ["model"], "cache_dir": cache_dir}
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 1024, generator=g), torch.randn(8, 1024, generator=g)) for _ in range(2)]
+    start = time.perf_counter()
+    engine = rayzero.initialize(model, cfg)
+    for x, y in batches:
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    seconds = time.perf_counter() - start
+    cache = engine._capture.cache if engine._capture is not None else None
+    print(json.dumps({"seconds": seconds, "loaded": cache.loaded if cache else 0,
+                      "load_s": cache.load_seconds if cache else 0.0, "saved": cache.saved_bytes if cache else 0}))
+    engine.destroy()
+
+
+def run(mode: str, cache_dir: str, hidden: int, scratch: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=scratch), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, __file__, "--child", mode, "--cache-dir", cache_dir, "--hidden", str(hidden)],
+                         env=env, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"{mode} run failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeat", type=int, default=2, help="cold/warm pairs (each row: median)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--cache-dir", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        child(a.child, a.cache_dir, a.hidden)
+        return
+    rows: dict[str, list[dict]] = {"eager": [], "cold": [], "warm": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for i in range(a.repeat):
+            cache_dir = os.path.join(scratch, f"cache{i}")
+            rows["eager"].append(run("eager", cache_dir, a.hidden, scratch))
+            rows["cold"].append(run("cold", cache_dir, a.hidden, scratch))
+            rows["warm"].append(run("warm", cache_dir, a.hidden, scratch))
+            print(f"[bench] pair {i + 1}: " + ", ".join(f"{k} {v[-1]['seconds']:.1f} s" for k, v in rows.items()),
+                  flush=True)
+    med = {k: statistics.median(r["seconds"] for r in v) for k, v in rows.items()}
+    print(f"\nTime to the end of step 2 (s, median of {a.repeat}; hidden {a.hidden}, stage 2, world 1):\n")
+    print("| run | seconds | x eager | cache |")
+    print("|---|---:|---:|---|")
+    for k, v in rows.items():
+        note = {"eager": "no capture", "cold": f"wrote {v[-1]['saved']:,} bytes",
+                "warm": f"loaded {v[-1]['loaded']} artifacts in {v[-1]['load_s']:.2f} s"}[k]
+        print(f"| {k} | {med[k]:.1f} | {med[k] / med['eager']:.2f} | {note} |")
+    print(f"\nwarm / cold: {med['warm'] / med['cold']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

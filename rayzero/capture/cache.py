@@ -1,0 +1,71 @@
+"""The compile cache: what inductor compiled for a run, kept so the next process does not compile it again.
+
+With ``graph_capture.cache_dir`` set, the engine loads ``torch.compiler`` cache artifacts from there at
+set-up (a restarted worker group, or a new node, then reuses the run's compiled kernels), and global rank
+0 writes what its process compiled after the first captured step.  The file is named after the torch
+version and the device kind, since artifacts of another torch or device kind do not apply; it is written
+to a temporary name and renamed, so a reader never sees half a file.  Artifacts are keyed by the graphs
+they compile: loading ones that do not match this model costs a little time and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("rayzero")
+
+
+def cache_file(directory: str, device_kind: str) -> Path:
+    version = re.sub(r"[^0-9A-Za-z.]+", "_", torch.__version__)
+    return Path(directory) / f"rayzero-compile-torch{version}-{device_kind}.bin"
+
+
+class CompileCache:
+    """One engine's view of the run's compile cache directory."""
+
+    def __init__(self, directory: str, device_kind: str, rank: int) -> None:
+        self.path = cache_file(os.path.abspath(os.path.expanduser(directory)), device_kind)
+        self.rank = rank
+        self.loaded = 0  # artifacts loaded at set-up
+        self.load_seconds = 0.0
+        self.saved_bytes = 0
+
+    def load(self) -> int:
+        """Hot-load the cached artifacts, if there are any; returns how many."""
+        if not self.path.is_file():
+            return 0
+        start = time.perf_counter()
+        try:
+            info = torch.compiler.load_cache_artifacts(self.path.read_bytes())
+        except Exception as e:  # noqa: BLE001 - a bad cache file costs a compile, never the run
+            logger.warning("rayzero: compile cache %s could not be loaded (%s); compiling afresh", self.path, e)
+            return 0
+        self.load_seconds = time.perf_counter() - start
+        self.loaded = sum(len(v) for v in info.artifacts.values()) if info is not None else 0
+        return self.loaded
+
+    def save(self) -> int:
+        """Rank 0 writes what this process compiled (atomically); returns the bytes written."""
+        if self.rank != 0:
+            return 0
+        artifacts = torch.compiler.save_cache_artifacts()
+        if artifacts is None:
+            return 0
+        data = artifacts[0]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a full or read-only disk loses the cache, not the training
+            tmp.unlink(missing_ok=True)
+            logger.warning("rayzero: compile cache %s could not be written (%s); training goes on", self.path, e)
+            return 0
+        self.saved_bytes = len(data)
+        return self.saved_bytes
