@@ -1,7 +1,9 @@
 """Time to the first captured step with a cold and a warm compile cache (graph_capture.cache_dir).
 
-Each run is a fresh process with an empty inductor cache of its own (TORCHINDUCTOR_CACHE_DIR), so the
-only thing a warm run can reuse is what rayzero's compile cache hands it.  Rows:
+Each run is a fresh process; a capture run's inductor cache is the one rayzero keeps in cache_dir (empty
+for the cold run), so the only thing a warm run can reuse is what rayzero's compile cache hands it
+(``BENCH_ARTIFACTS_ONLY=1``: every run gets a fresh inductor cache of its own instead, and the warm run
+has only the torch.compiler artifacts).  Rows:
 
 * eager: no capture (the floor: set-up plus two steps);
 * cold: capture of the step and the model, an empty cache_dir (compiles everything, rank 0 writes it);
@@ -49,6 +51,11 @@ def child(mode: str, cache_dir: str, hidden: int) -> None:
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
     seconds = time.perf_counter() - start
+    if os.environ.get("BENCH_COMPILE_TIMES"):
+        from torch._dynamo.utils import compile_times, counters
+
+        print(compile_times(repr="str", aggregate=True), file=sys.stderr)
+        print(dict(counters["inductor"]), file=sys.stderr)
     cache = engine._capture.cache if engine._capture is not None else None
     print(json.dumps({"seconds": seconds, "loaded": cache.loaded if cache else 0,
                       "load_s": cache.load_seconds if cache else 0.0, "saved": cache.saved_bytes if cache else 0}))
@@ -56,7 +63,11 @@ def child(mode: str, cache_dir: str, hidden: int) -> None:
 
 
 def run(mode: str, cache_dir: str, hidden: int, scratch: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=scratch), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if mode == "eager" or os.environ.get("BENCH_ARTIFACTS_ONLY"):
+        env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(dir=scratch)  # a fresh inductor cache of its own
+    else:  # rayzero puts inductor's cache in cache_dir: the cold run's is empty, the warm run reuses it
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     out = subprocess.run([sys.executable, __file__, "--child", mode, "--cache-dir", cache_dir, "--hidden", str(hidden)],
                          env=env, capture_output=True, text=True, check=False)
     if out.returncode:

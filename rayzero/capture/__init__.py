@@ -53,6 +53,7 @@ def setup_capture(engine: "Engine") -> StepCapture:
         from rayzero.capture.cache import CompileCache
 
         capture.cache = CompileCache(cfg.graph_capture.cache_dir, engine.accelerator.name, engine.rank)
+        capture.cache.use_kernel_directory()
         capture.cache.load()  # before anything compiles
     if "model" in cfg.graph_capture.targets:
         # CUDA: CUDA graphs through inductor's reduce-overhead mode; CPU: inductor's kernels.  The bound

@@ -2,7 +2,9 @@
 
 With ``graph_capture.cache_dir`` set, the engine loads ``torch.compiler`` cache artifacts from there at
 set-up (a restarted worker group, or a new node, then reuses the run's compiled kernels), and global rank
-0 writes what its process compiled after the first captured step.  The file is named after the torch
+0 writes what its process compiled after the first captured step.  The artifacts carry generated code,
+not built kernels: on CPU every process would still build the C++ again, so inductor's own cache
+directory (where the built kernels live) goes there too, unless TORCHINDUCTOR_CACHE_DIR is set.  The file is named after the torch
 version and the device kind, since artifacts of another torch or device kind do not apply; it is written
 to a temporary name and renamed, so a reader never sees half a file.  Artifacts are keyed by the graphs
 they compile: loading ones that do not match this model costs a little time and changes nothing.
@@ -35,6 +37,22 @@ class CompileCache:
         self.loaded = 0  # artifacts loaded at set-up
         self.load_seconds = 0.0
         self.saved_bytes = 0
+        self.kernel_dir: Path | None = None
+
+    def use_kernel_directory(self) -> bool:
+        """Point inductor's own cache (its compiled kernels: on CPU the C++ shared objects, which the
+        artifacts do not carry and which cost most of a CPU compile) into the cache directory, unless
+        the process already chose one with TORCHINDUCTOR_CACHE_DIR.  Returns whether it did."""
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        # inductor writes its default into the environment the first time it looks: that is no choice
+        if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+            return False
+        self.kernel_dir = self.path.parent / f"inductor-{self.path.stem.removeprefix('rayzero-compile-')}"
+        self.kernel_dir.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.kernel_dir)
+        return True
 
     def load(self) -> int:
         """Hot-load the cached artifacts, if there are any; returns how many."""
