@@ -1,5 +1,6 @@
-"""The per-node agent: one long-lived actor per node that reports what the driver needs to plan, and what the
-driver knows of the cluster's capacity: the worker slots each node has and whether an autoscaler can add more."""
+"""The per-node agent: one actor per node, for the length of a report, that says what the driver needs to plan;
+and what the driver knows of the cluster's capacity: the worker slots each node has and whether an autoscaler
+can add more."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import re
 import time
 
 import ray
-
-AGENT_PREFIX = "rayzero-agent-"
 
 
 @ray.remote(num_cpus=0)
@@ -56,8 +55,14 @@ def _memory_limits(acc):
 
 
 def node_table(swap_path: str | None = None, timeout_s: float = 60.0) -> list[dict]:
-    """Start (or reuse) one agent per alive node and collect their reports; each report also carries the node's
-    Ray resources (``ray_resources``: the totals Ray schedules workers on)."""
+    """Start one agent per alive node, collect their reports and stop the agents; each report also carries the
+    node's Ray resources (``ray_resources``: the totals Ray schedules workers on).
+
+    The agents live only for the report (nothing is left on the cluster when a run ends), and a node whose
+    agent does not answer within ``timeout_s`` (it died, or left the cluster after it was listed) is left
+    out with a warning instead of failing the run; no answer from any node is an error."""
+    import logging
+
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     agents, nodes = [], []
@@ -65,17 +70,31 @@ def node_table(swap_path: str | None = None, timeout_s: float = 60.0) -> list[di
         if not node.get("Alive"):
             continue
         agent = NodeAgent.options(
-            name=f"{AGENT_PREFIX}{node['NodeID'][:12]}",
-            namespace="rayzero",
-            lifetime="detached",
-            get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
         ).remote()
         agents.append(agent)
         nodes.append(node)
-    reports = ray.get([a.report.remote(swap_path) for a in agents], timeout=timeout_s)
-    for report, node in zip(reports, nodes):
-        report["ray_resources"] = dict(node.get("Resources") or {})
+    calls = [a.report.remote(swap_path) for a in agents]
+    try:
+        ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+        reports, missing = [], []
+        for call, node in zip(calls, nodes):
+            try:
+                if call not in ready:
+                    raise TimeoutError(f"no report within {timeout_s:g} s")
+                report = ray.get(call)
+            except Exception as e:  # noqa: BLE001 - one node's failure is reported, not raised
+                missing.append(f"{node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')}): {type(e).__name__}: {e}")
+                continue
+            report["ray_resources"] = dict(node.get("Resources") or {})
+            reports.append(report)
+    finally:
+        for a in agents:
+            ray.kill(a)
+    if missing:
+        logging.getLogger("rayzero").warning("nodes left out of the node table: %s", "; ".join(missing))
+    if not reports:
+        raise RuntimeError(f"no node of the Ray cluster reported within {timeout_s:g} s: {'; '.join(missing)}")
     return reports
 
 
