@@ -376,9 +376,9 @@ class Engine:
             # Floating-point inputs follow the compute dtype so users need not cast batches themselves.
             cast = lambda t: t.to(self.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        start = time.perf_counter()
+        start = self._clock()
         out = self.module(*args, **kwargs)
-        self._timings["forward"] += time.perf_counter() - start
+        self._timings["forward"] += self._clock() - start
         return out
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -387,7 +387,7 @@ class Engine:
         self.reducer.reduce_now = self.reducer.stage >= 2 or self.is_gradient_accumulation_boundary()
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
-        start = time.perf_counter()
+        start = self._clock()
         try:
             scaled.backward()
         finally:
@@ -395,7 +395,7 @@ class Engine:
             if self.gatherer is not None:
                 self.gatherer.release_all()
                 self.gatherer.end_first_step()
-            self._timings["backward"] += time.perf_counter() - start
+            self._timings["backward"] += self._clock() - start
 
     def step(self) -> None:
         """The optimizer step at an accumulation boundary; between boundaries only counts the micro-step."""
@@ -403,7 +403,7 @@ class Engine:
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             return
-        start = time.perf_counter()
+        start = self._clock()
         if self.reducer.pending:  # boundary decided after the backward (manual boundaries): reduce now
             self.reducer.reduce_now = True
             self.reducer.flush()
@@ -432,8 +432,15 @@ class Engine:
         self.global_steps += 1
         self.micro_steps += 1
         self.global_samples += self.batch.train_batch_size
-        self._timings["step"] += time.perf_counter() - start
+        self._timings["step"] += self._clock() - start
         self._report()
+
+    def _clock(self) -> float:
+        """Wall-clock time for wall_clock_breakdown: the device's queued work is waited for first, so a
+        phase's time is its kernels' and not only their launch (no wait when the breakdown is off)."""
+        if self.config.wall_clock_breakdown:
+            self.accelerator.synchronize()
+        return time.perf_counter()
 
     def _update(self, multiplier: float) -> None:
         """Scale the gradient partitions by ``multiplier`` (unscale x clip) and step the optimizer on the

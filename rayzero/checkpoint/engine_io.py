@@ -173,8 +173,14 @@ def _whole_tensors(engine: "Engine") -> dict[str, torch.Tensor]:
     return out
 
 
-def _rng_state() -> dict:
-    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _rng_state(accelerator) -> dict:
+    state = {"torch": _b64(torch.get_rng_state())}
+    if accelerator.name != "cpu":  # the device's own generator (on CPU it is the torch one above)
+        state["device"] = {"kind": accelerator.name, "state": _b64(accelerator.get_rng_state())}
     version, internal, gauss = random.getstate()
     state["python"] = [version, list(internal), gauss]
     try:
@@ -187,8 +193,11 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, accelerator) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    device = state.get("device")
+    if device is not None and device["kind"] == accelerator.name:  # saved on another kind: nothing to restore
+        accelerator.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(device["state"])), dtype=torch.uint8))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     if "numpy" in state:
@@ -198,11 +207,12 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def _rederive_rng(seed: int, step: int, rank: int) -> None:
+def _rederive_rng(seed: int, step: int, rank: int, accelerator) -> None:
     """A new world size has new ranks: derive each rank's streams from (seed, step, rank), reproducibly."""
     digest = hashlib.sha256(f"rayzero-rng:{seed}:{step}:{rank}".encode()).digest()
     value = int.from_bytes(digest[:7], "little")
     torch.manual_seed(value)
+    accelerator.manual_seed(value)  # the device's generator too
     random.seed(value)
     try:
         import numpy as np
@@ -349,7 +359,7 @@ class CheckpointIO:
                 "check the path and its permissions"
             )
         fragments = snapshot(engine, self.staging if async_save else None)
-        extra = {"rng": _rng_state()}
+        extra = {"rng": _rng_state(engine.accelerator)}
         world, rank = engine.comm.world, engine.rank
         # The manifest's contents are taken now, so a save that overlaps training records this step.
         manifest_now = build_manifest(engine, tag, client_state) if rank == 0 else {}
@@ -550,7 +560,7 @@ def _load_counters(engine: "Engine", manifest: dict) -> None:
     saved_layout = manifest.get("topology", {})
     same_layout = saved_layout.get("tp", 1) == engine.topology.tp and saved_layout.get("ep", 1) == engine.topology.ep
     if manifest["world_size"] == engine.world_size and same_layout:
-        _set_rng_state(manifest["rng"][engine.rank])
+        _set_rng_state(manifest["rng"][engine.rank], engine.accelerator)
     else:
         # new ranks: derive each data shard's streams afresh (the ranks of a TP group share theirs)
-        _rederive_rng(engine.config.seed, engine.global_steps, engine.dp_rank)
+        _rederive_rng(engine.config.seed, engine.global_steps, engine.dp_rank, engine.accelerator)

@@ -1,0 +1,18 @@
+"""Device-side state on an accelerator other than the CPU, through a stand-in accelerator that computes on
+the CPU (tests/device_cases.py): the device's random generator in checkpoints, timers that wait for it."""
+
+from __future__ import annotations
+
+import torch
+
+import device_cases
+from distributed import run_distributed
+
+
+def test_checkpoint_restores_the_device_generator_and_timers_synchronize(tmp_path):
+    for r in run_distributed(device_cases.rng_and_timers, 2, str(tmp_path)):
+        assert r["accelerator"] == "standin"
+        assert not torch.equal(r["moved"], r["saved"])
+        assert torch.equal(r["restored"], r["saved"])
+        # forward, backward and step each read the clock twice, waiting for the device when it counts
+        assert r["syncs"] == {False: 0, True: 6}
