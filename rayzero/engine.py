@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 import time
 import weakref
 from typing import Any, Iterable
@@ -64,8 +65,13 @@ class Engine:
     def __init__(self, model: torch.nn.Module, config: Any = None, model_parameters: Iterable | None = None):
         self.config = Config.from_any(config if config is not None else {})
         cfg = self.config
-        self.rank, self.world_size, self._created_process_group = init_distributed()
         self.accelerator = get_accelerator()
+        if self.accelerator.name != "cpu":
+            # the rank's own device before the process group exists (NCCL binds to the current device);
+            # a launcher that shows each worker only its own devices makes the index wrap to 0
+            count = max(1, self.accelerator.device_count())
+            self.accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")) % count)
+        self.rank, self.world_size, self._created_process_group = init_distributed()
         self.topology = self._plan_topology(cfg, self.world_size)
         if cfg.deterministic:
             # ranks of one TP group run the same replicated computation, so they share their random streams
@@ -104,6 +110,7 @@ class Engine:
                 f"the model was built under rayzero.zero_init, which only ZeRO stage 3 can train; "
                 f"zero_optimization.stage is {self.stage}: set it to 3 or build the model without zero_init"
             )
+        self._to_device(model)
         self._broadcast_from_rank0(model)
         if model_parameters is not None:
             model_parameters = list(model_parameters)  # read once: it may be a generator
@@ -340,6 +347,20 @@ class Engine:
         for gi, g in enumerate(groups):
             g[USER_GROUP_KEY] = gi  # the user's numbering survives dropping all-frozen groups
         return [g for g in groups if g["params"]]
+
+    @torch.no_grad()
+    def _to_device(self, model: torch.nn.Module) -> None:
+        """Off the CPU, the model's parameters and buffers go to the rank's device (zero_init's one-element
+        stand-ins included: moving them is cheap, their shards live on the device already)."""
+        if self.accelerator.name == "cpu":
+            return
+        device = self.accelerator.device()
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.device != device:
+                if hasattr(t, "_rayzero_shard"):  # an expanded one-element stand-in: keep it one element
+                    t.data = torch.zeros(1, dtype=t.dtype, device=device).expand(t.shape)
+                else:
+                    t.data = t.data.to(device)
 
     @torch.no_grad()
     def _broadcast_from_rank0(self, model: torch.nn.Module) -> None:

@@ -17,6 +17,13 @@ class StandInAccelerator(CpuAccelerator):
         super().__init__()
         self.generator = torch.Generator().manual_seed(99)  # the "device's" generator
         self.synchronized = 0
+        self.set_devices: list[int] = []
+
+    def set_device(self, index: int) -> None:
+        self.set_devices.append(index)
+
+    def device_count(self) -> int:
+        return 2  # a two-device node: LOCAL_RANK picks the device
 
     def synchronize(self, index: int | None = None) -> None:
         self.synchronized += 1
@@ -67,3 +74,25 @@ def rng_and_timers(rank: int, world: int, ckpt: str) -> dict:
         counts[breakdown] = acc.synchronized - before
         engine.destroy()
     return {"saved": saved, "moved": moved, "restored": restored, "accelerator": acc.name, "syncs": counts}
+
+
+def off_cpu_path(rank: int, world: int, standin: bool) -> dict:
+    """Stage 3 on a model built under zero_init, through the off-CPU set-up (set_device from LOCAL_RANK,
+    the model and zero_init's shards placed on the accelerator's device) with the stand-in, or on the CPU
+    accelerator: the two must train alike."""
+    import rayzero
+    from zero_cases import base_config, batches, make_model
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    acc = use_standin() if standin else None
+    with rayzero.zero_init():
+        model = make_model()
+    engine = rayzero.initialize(model, base_config(3, world, 4))
+    norms = []
+    for x, y in batches(3, 4):
+        engine.backward(torch.nn.functional.mse_loss(engine(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]))
+        engine.step()
+        norms.append(engine.global_grad_norm)
+    out = {"norms": norms, "state": engine.full_state_dict(), "set_devices": acc.set_devices if acc else None}
+    engine.destroy()
+    return out

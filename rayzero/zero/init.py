@@ -28,9 +28,14 @@ from rayzero.zero.layout import ceil_div
 
 class _ShardState:
     def __init__(self, comm: Communicator):
+        from rayzero.accelerator import get_accelerator
+
         self.comm = comm
         self.world = comm.world
         self.rank = comm.rank
+        acc = get_accelerator()
+        # shards live where the engine's partitions and the group's collectives will want them
+        self.device = torch.device("cpu") if acc.name == "cpu" else acc.device()
 
     @torch.no_grad()
     def shard(self, p: torch.nn.Parameter) -> None:
@@ -39,7 +44,7 @@ class _ShardState:
         flat = p.detach().reshape(-1)
         start = min(self.rank * chunk, numel)
         end = min(start + chunk, numel)
-        shard = torch.zeros(chunk, dtype=torch.float32)
+        shard = torch.zeros(chunk, dtype=torch.float32, device=self.device)
         shard[: end - start].copy_(flat[start:end])
         # A one-element stand-in keeps the shape; writing to it raises instead of corrupting anything.
         # (Mark the parameter only afterwards: the assignment is itself a torch call the mode sees.)
@@ -50,7 +55,7 @@ class _ShardState:
     def materialize(self, p: torch.nn.Parameter) -> None:
         shard = p._rayzero_shard
         chunk = shard.numel()
-        rows = torch.empty((self.world, chunk), dtype=torch.float32)
+        rows = torch.empty((self.world, chunk), dtype=torch.float32, device=shard.device)
         self.comm.all_gather(rows, shard).wait()
         # rank r's shard is elements [r * chunk, (r + 1) * chunk): the rows, read in order, are the whole
         # parameter plus under `world` elements of padding, so it is a view of them (no second copy)
