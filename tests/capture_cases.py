@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 import rayzero
-from zero_cases import base_config, batches, global_mean, make_model
+from ckpt_cases import global_step
+from zero_cases import base_config, batches, make_model
 
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_num_steps": 3, "warmup_max_lr": 1e-2}}
 
@@ -26,20 +26,14 @@ def train(rank: int, world: int, stage: int, steps: int, capture: dict | None, d
     if capture is not None:
         cfg["graph_capture"] = capture
     engine = rayzero.initialize(make_model(), cfg)
-    per_rank, micro = 8 // world, 8 // world // gas
+    per_rank = 8 // world
     losses, norms, captures = [], [], []
     for i, (x, y) in enumerate(batches(steps, 8)):
         xs, ys = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         if inf_at == i:
             xs = xs.clone()
             xs[0, 0] = float("inf")
-        total = 0.0
-        for k in range(gas):
-            loss = F.mse_loss(engine(xs[k * micro : (k + 1) * micro]).float(), ys[k * micro : (k + 1) * micro])
-            engine.backward(loss)
-            engine.step()
-            total += global_mean(loss) / gas
-        losses.append(total)
+        losses.append(global_step(engine, xs, ys, gas))
         norms.append(engine.global_grad_norm)
         captures.append(engine._capture.captures if engine._capture is not None else None)
         if ckpt and save_at == i:

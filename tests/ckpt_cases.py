@@ -9,20 +9,26 @@ import rayzero
 from zero_cases import base_config, batches, global_mean, make_model
 
 
+def global_step(engine, xs: torch.Tensor, ys: torch.Tensor, gas: int = 1) -> float:
+    """One optimizer step over this rank's share ``xs``/``ys`` in ``gas`` micro-steps; the mean loss over
+    all ranks."""
+    micro = xs.shape[0] // gas
+    total = 0.0
+    for k in range(gas):
+        loss = F.mse_loss(engine(xs[k * micro : (k + 1) * micro]).float(), ys[k * micro : (k + 1) * micro])
+        engine.backward(loss)
+        engine.step()
+        total += global_mean(loss) / gas
+    return total
+
+
 def train_steps(engine, rank: int, world: int, data, gas: int = 1) -> tuple[list[float], list[float]]:
     global_batch = data[0][0].shape[0]
     per_rank = global_batch // world
-    micro = per_rank // gas
     losses, norms = [], []
     for x, y in data:
         xs, ys = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
-        total = 0.0
-        for k in range(gas):
-            loss = F.mse_loss(engine(xs[k * micro : (k + 1) * micro]).float(), ys[k * micro : (k + 1) * micro])
-            engine.backward(loss)
-            engine.step()
-            total += global_mean(loss) / gas
-        losses.append(total)
+        losses.append(global_step(engine, xs, ys, gas))
         norms.append(engine.global_grad_norm)
     return losses, norms
 
