@@ -26,6 +26,7 @@ from rayzero.checkpoint.format import CheckpointError
 from rayzero.comm import init_distributed
 from rayzero.config import Config, ConfigError, OptimizerConfig
 from rayzero.determinism import apply_deterministic_policy
+from rayzero.model_setup import apply_model_parallelism, broadcast_from_rank0, param_groups, place_on_device
 from rayzero.optim.clip import clip_coefficient, global_grad_norm
 from rayzero.optim.factory import build_optimizer
 from rayzero.optim.schedulers import build_scheduler
@@ -34,7 +35,7 @@ from rayzero.parallel.slicing import canonical_to_full
 from rayzero.parallel.state import ParallelState
 from rayzero.topology import ParallelDims
 from rayzero.zero.buckets import engine_bucket_plan
-from rayzero.zero.partition import USER_GROUP_KEY, Partitions
+from rayzero.zero.partition import Partitions
 from rayzero.zero.stage12 import GradientReducer, WeightPublisher
 from rayzero.zero.init import materialize_frozen
 from rayzero.zero.stage3 import ParamGatherer, freed_by_destroy
@@ -110,12 +111,14 @@ class Engine:
                 f"the model was built under rayzero.zero_init, which only ZeRO stage 3 can train; "
                 f"zero_optimization.stage is {self.stage}: set it to 3 or build the model without zero_init"
             )
-        self._to_device(model)
-        self._broadcast_from_rank0(model)
+        place_on_device(model, self.accelerator)
+        broadcast_from_rank0(model, self.comm)
         if model_parameters is not None:
             model_parameters = list(model_parameters)  # read once: it may be a generator
-        model_parameters = self._apply_model_parallelism(model, model_parameters, pre_sharded)
-        groups = self._param_groups(model, model_parameters)
+        model_parameters = apply_model_parallelism(
+            model, model_parameters, pre_sharded, cfg, self.topology, self.parallel, self.comm
+        )
+        groups = param_groups(model, model_parameters)
         names = {}
         for n, p in model.named_parameters():
             names.setdefault(p, n)
@@ -267,43 +270,6 @@ class Engine:
         """How many distinct data shards one step consumes: world size / TP size."""
         return self.parallel.dp_size
 
-    def _apply_model_parallelism(self, model: torch.nn.Module, model_parameters, pre_sharded: bool):
-        """AutoEP, then AutoTP, on the (already consistent) model; returns the user's param groups with
-        every sliced parameter replaced by its slice."""
-        cfg, coords = self.config, self.parallel.coords
-        ep_on, tp = cfg.expert_parallel.enabled, self.topology.tp
-        if not ep_on and tp == 1:
-            return model_parameters
-        if pre_sharded:
-            # zero_init sharded over the whole world; EP/TP slices and their DP/EDP partitions are cut
-            # from whole tensors, so the shards are gathered here: set-up holds the whole model once,
-            # afterwards every rank keeps only the ZeRO shards of its own slices.
-            for p in model.parameters():
-                if hasattr(p, "_rayzero_shard"):
-                    materialize_frozen(p, self.comm)
-        before = {n: id(p) for n, p in model.named_parameters()}  # ids only: replaced tensors can be freed
-        if ep_on:
-            from rayzero.moe.auto_ep import apply_auto_ep
-
-            apply_auto_ep(
-                model, self.parallel.ep_group, self.topology.ep, coords.ep,
-                tp_group=self.parallel.tp_group, tp_size=tp, tp_rank=coords.tp,
-                preset_model=cfg.expert_parallel.preset_model,
-            )
-        if tp > 1:
-            from rayzero.tp.auto_tp import apply_auto_tp
-
-            apply_auto_tp(model, self.parallel.tp_group, tp, coords.tp, plan=cfg.tensor_parallel.tp_plan)
-        after = dict(model.named_parameters())
-        replaced = {before[n]: after[n] for n in before if n in after and id(after[n]) != before[n]}
-        if model_parameters is None or not replaced:
-            return model_parameters
-        swap = lambda p: replaced.get(id(p), p)
-        items = list(model_parameters)
-        if items and isinstance(items[0], dict):
-            return [dict(g, params=[swap(p) for p in g["params"]]) for g in items]
-        return [swap(p) for p in items]
-
     def _optimizer_config(self) -> OptimizerConfig:
         """The configured optimizer, with torch's fused Adam/AdamW kernel unless the config chose an
         implementation: on one flat partition per group the default kernel allocates two partition-sized
@@ -317,61 +283,6 @@ class Engine:
             # a CUDA graph replays the step's kernels: its step counter must live on the device
             opt = OptimizerConfig(type=opt.type, params={**opt.params, "capturable": True})
         return opt
-
-    @staticmethod
-    def _param_groups(model: torch.nn.Module, model_parameters: Iterable | None) -> list[dict]:
-        trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-        if model_parameters is None:
-            return [{"params": trainable}]
-        items = list(model_parameters)
-        if items and isinstance(items[0], dict):
-            groups = [dict(g, params=list(g["params"])) for g in items]
-        else:
-            groups = [{"params": items}]
-        owned = set(model.parameters())
-        seen: set = set()
-        for gi, g in enumerate(groups):
-            for p in g["params"]:
-                if p not in owned:
-                    raise ValueError(f"param group {gi} holds a tensor that is not a parameter of the model")
-                if p in seen:
-                    raise ValueError(f"a parameter appears in more than one param group (group {gi})")
-                seen.add(p)
-            g["params"] = [p for p in g["params"] if p.requires_grad]
-        missing = [p for p in trainable if p not in seen]
-        if missing:
-            raise ValueError(
-                f"{len(missing)} trainable parameter(s) are in no param group; add them to a group or set "
-                "requires_grad=False on them"
-            )
-        for gi, g in enumerate(groups):
-            g[USER_GROUP_KEY] = gi  # the user's numbering survives dropping all-frozen groups
-        return [g for g in groups if g["params"]]
-
-    @torch.no_grad()
-    def _to_device(self, model: torch.nn.Module) -> None:
-        """Off the CPU, the model's parameters and buffers go to the rank's device (zero_init's one-element
-        stand-ins included: moving them is cheap, their shards live on the device already)."""
-        if self.accelerator.name == "cpu":
-            return
-        device = self.accelerator.device()
-        for t in [*model.parameters(), *model.buffers()]:
-            if t.device != device:
-                if hasattr(t, "_rayzero_shard"):  # an expanded one-element stand-in: keep it one element
-                    t.data = torch.zeros(1, dtype=t.dtype, device=device).expand(t.shape)
-                else:
-                    t.data = t.data.to(device)
-
-    @torch.no_grad()
-    def _broadcast_from_rank0(self, model: torch.nn.Module) -> None:
-        """Every rank starts from rank 0's weights and buffers (as DDP does)."""
-        if self.comm.world == 1:
-            return
-        for p in model.parameters():
-            if not hasattr(p, "_rayzero_shard"):
-                self.comm.broadcast(p.data)
-        for b in model.buffers():
-            self.comm.broadcast(b.data)
 
     # ---- accumulation boundary -------------------------------------------------------------------------
     @property

@@ -104,12 +104,13 @@ class StepCapture:
         self._guards.clear()
 
     # ---- record / replay -------------------------------------------------------------------------------
-    def _run(self, half: str, fn: Callable[[], None]) -> None:
+    def _run(self, half: str, make_fn: Callable[[], Callable[[], None]]) -> None:
+        """Replay ``half``'s graph, recording ``make_fn()`` first when its guards say so."""
         signature = self._signature(half)
         if self._guards.get(half) != signature:
             graph = self.acc.create_graph()
             with self.acc.capture_to_graph(graph) as recorder:
-                recorder.record(fn)
+                recorder.record(make_fn())
             self._graphs[half], self._guards[half] = graph, signature
             self.captures += 1
         self.acc.replay_graph(self._graphs[half])
@@ -121,7 +122,7 @@ class StepCapture:
 
     def local_sq_sum(self, replicated: bool) -> torch.Tensor:
         half = "sq_sum_replicated" if replicated else "sq_sum"
-        self._run(half, self._sq_sum_fn(replicated))
+        self._run(half, lambda: self._sq_sum_fn(replicated))
         return self.sq
 
     def update(self, multiplier: float) -> None:
@@ -133,7 +134,7 @@ class StepCapture:
         for g in e.partitions.groups:
             g.master.grad = g.grad
         try:
-            self._run("update", self._update_fn())
+            self._run("update", self._update_fn)
             e.optimizer._opt_called = True  # what an lr scheduler's wrapper of optimizer.step records
             if self.cache is not None and not self._cache_saved:  # everything is compiled by now
                 self._cache_saved = True
