@@ -503,11 +503,10 @@ class Engine:
             client_state, self.load_report = checkpoint_load(self, load_dir, tag, strict)
         except Exception as e:  # every rank must agree before anyone continues
             error = e
-        failed = torch.tensor([1.0 if error is not None else 0.0])
-        self.comm.sum_scalar(failed)
+        failed = self.comm.any_rank(error is not None)
         if error is not None:
             raise error
-        if failed.item() > 0:
+        if failed:
             raise CheckpointError("loading the checkpoint failed on another rank (see its error)")
         self.partitions.refresh_weights()
         if not self._params_alias_master:

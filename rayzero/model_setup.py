@@ -28,9 +28,24 @@ def place_on_device(model: torch.nn.Module, accelerator: "Accelerator") -> None:
     for t in [*model.parameters(), *model.buffers()]:
         if t.device != device:
             if hasattr(t, "_rayzero_shard"):  # an expanded one-element stand-in: keep it one element
-                t.data = torch.zeros(1, dtype=t.dtype, device=device).expand(t.shape)
+                _move(t, torch.zeros(1, dtype=t.dtype, device=device).expand(t.shape))
             else:
-                t.data = t.data.to(device)
+                _move(t, t.data.to(device))
+
+
+def _move(t: torch.Tensor, moved: torch.Tensor) -> None:
+    """``t`` now holds ``moved`` and stays the same Python object (hooks, optimizer references and
+    names keep working).  Where the device's tensors have another tensor type than the host's (a device
+    registered from Python), ``t.data = moved`` is refused and the two objects' contents are swapped
+    instead, as ``Module.to`` does."""
+    if torch._has_compatible_shallow_copy_type(t, moved):
+        t.data = moved
+        return
+    if isinstance(t, torch.nn.Parameter):
+        moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+    marks = dict(t.__dict__)  # rayzero's and the user's attributes stay with the object
+    torch.utils.swap_tensors(t, moved)
+    t.__dict__.update(marks)
 
 
 @torch.no_grad()

@@ -319,11 +319,10 @@ class CheckpointIO:
         """Settle an in-flight save on every rank; a failure on any rank raises on all of them."""
         error = self.pending.wait() if self.pending is not None else None
         self.pending = None
-        failed = torch.tensor([1.0 if error is not None else 0.0])
-        self.engine.comm.sum_scalar(failed)
+        failed = self.engine.comm.any_rank(error is not None)
         if error is not None:
             raise CheckpointError(f"saving the checkpoint failed on rank {self.engine.rank}: {error}") from error
-        if failed.item() > 0:
+        if failed:
             raise CheckpointError("saving the checkpoint failed on another rank (see its error)")
 
     def release(self) -> None:
@@ -349,9 +348,8 @@ class CheckpointIO:
                 prepare(storage, tag)
             except Exception as e:  # every rank must hear of it, or the others would wait forever
                 error = e
-        flag = torch.tensor([1.0 if error is not None else 0.0])
-        engine.comm.sum_scalar(flag)  # also the barrier: the staging directory exists for every rank
-        if flag.item() > 0:
+        # also the barrier: the staging directory exists for every rank
+        if engine.comm.any_rank(error is not None):
             if isinstance(error, CheckpointError):
                 raise error
             raise CheckpointError(
@@ -386,14 +384,13 @@ class CheckpointIO:
                 error = None
             except BaseException as e:
                 error = e
-            failed = torch.tensor([1.0 if error is not None else 0.0])
-            engine.comm.sum_scalar(failed)
+            failed = engine.comm.any_rank(error is not None)
             if error is not None:
                 raise CheckpointError(
                     f"saving checkpoint {tag!r} to {save_dir!r} failed on rank {rank}: {error}. The previous "
                     "checkpoint (if any) is intact; free space or pick another path and save again"
                 ) from error
-            if failed.item() > 0:
+            if failed:
                 raise CheckpointError(f"saving checkpoint {tag!r} failed on another rank; the previous one is intact")
         return tag
 

@@ -169,9 +169,14 @@ class Communicator:
     rank: int
     world: int
     transport: Transport
+    #: Where this group's collective tensors live: the rank's accelerator device (the CPU for the CPU
+    #: accelerator).  Tensors rayzero makes only to communicate (flags, scalars) are made here.
+    device: torch.device = torch.device("cpu")
 
     @staticmethod
-    def for_group(group: dist.ProcessGroup | None = None, transport: str = "auto") -> "Communicator":
+    def for_group(
+        group: dist.ProcessGroup | None = None, transport: str = "auto", device: torch.device | None = None
+    ) -> "Communicator":
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             backend = dist.get_backend(group)
@@ -187,7 +192,11 @@ class Communicator:
             impl = NativeTransport(group, rank, world)
         else:
             raise ValueError(f"unknown transport {transport!r}; use 'auto', 'native', 'pairwise' or 'ordered'")
-        return Communicator(group, rank, world, impl)
+        if device is None:
+            from rayzero.accelerator import get_accelerator
+
+            device = get_accelerator().device()
+        return Communicator(group, rank, world, impl, device)
 
     def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor) -> Handle:
         return self.transport.reduce_scatter(out, rows)
@@ -202,6 +211,12 @@ class Communicator:
         """All-reduce a small fp32/fp64 tensor (norms, overflow flags) and return it."""
         self.all_reduce(value).wait()
         return value
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank of the group; every rank must call it (so it is also a
+        barrier).  Used to agree on failures, so that no rank goes on while another has raised."""
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        return self.sum_scalar(value).item() > 0
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if self.world > 1:

@@ -55,6 +55,7 @@ class WorkerSpec:
     tp: int = 1  # tensor_parallel.autotp_size
     ep: int = 1  # expert_parallel.autoep_size when expert_parallel is enabled, else 1
     world_sizes: list[int] | None = None  # the sizes of the elastic range the driver planned (for errors)
+    compile_cache: str | None = None  # graph capture's cache: the run's compile_cache/ (a path or a URI)
     extra: dict = field(default_factory=dict)
 
 
@@ -139,10 +140,10 @@ def _train(spec: WorkerSpec) -> dict:
     run_storage = ctx.get_storage()
     storage = Storage.on(run_storage.storage_filesystem, run_storage.experiment_fs_path)
     capture = config.get("graph_capture") or {}
-    if capture.get("enabled") and not capture.get("cache_dir") and storage.local:
-        # the run's compiled kernels live beside its checkpoints: a restarted or resized worker group
-        # loads them instead of compiling again
-        config["graph_capture"] = {**capture, "cache_dir": storage.join("compile_cache")}
+    if capture.get("enabled") and not capture.get("cache_dir") and spec.compile_cache:
+        # what the run compiled lives beside its checkpoints (on local storage or a URI such as s3://): a
+        # restarted or resized worker group, or a node that just joined, loads it instead of compiling again
+        config["graph_capture"] = {**capture, "cache_dir": spec.compile_cache}
     engine = rayzero.initialize(_build_model(spec), config)
     # the data coordinate: ranks of one TP group feed the same batch, so data is cut over dp, not world
     dp_rank, dp_world = engine.dp_rank, engine.dp_world_size
@@ -212,7 +213,7 @@ def _train(spec: WorkerSpec) -> dict:
                 engine.step()
             step_loss += float(loss.detach() if torch.is_tensor(loss) else loss) / plan.accumulation
         if world > 1:  # every data shard appears tp times in the world, so the world mean is the shards' mean
-            dist.all_reduce(step_loss)
+            step_loss = engine.comm.sum_scalar(step_loss.to(engine.comm.device))
         loss_value = step_loss.item() / world
         if samples_log is not None:
             with open(samples_log, "a") as f:
