@@ -4,7 +4,8 @@ With ``graph_capture.cache_dir`` set, the engine loads ``torch.compiler`` cache 
 set-up (a restarted worker group, or a new node, then reuses the run's compiled kernels), and global rank
 0 writes what its process compiled after the first captured step.  The artifacts carry generated code,
 not built kernels: on CPU every process would still build the C++ again, so inductor's own cache
-directory (where the built kernels live) goes there too, unless TORCHINDUCTOR_CACHE_DIR is set.  The file is named after the torch
+directory (where the built kernels live) goes there too, unless TORCHINDUCTOR_CACHE_DIR is set or the
+directory is a URI (s3://...): there only the artifacts are kept.  The file is named after the torch
 version and the device kind, since artifacts of another torch or device kind do not apply; it is written
 to a temporary name and renamed, so a reader never sees half a file.  Artifacts are keyed by the graphs
 they compile: loading ones that do not match this model costs a little time and changes nothing.
@@ -29,10 +30,17 @@ def cache_file(directory: str, device_kind: str) -> Path:
 
 
 class CompileCache:
-    """One engine's view of the run's compile cache directory."""
+    """One engine's view of the run's compile cache directory: a local path, or a URI the run's storage
+    understands (s3://, gs://, ...).  On a URI only the artifacts live there; inductor's built kernels,
+    which belong to one host, stay in the process's own inductor cache."""
 
     def __init__(self, directory: str, device_kind: str, rank: int) -> None:
-        self.path = cache_file(os.path.abspath(os.path.expanduser(directory)), device_kind)
+        from rayzero.checkpoint.storage import Storage
+
+        text = os.fspath(directory)
+        self.storage = Storage.resolve(text if "://" in text else os.path.expanduser(text))
+        self.path = cache_file(self.storage.root, device_kind)
+        self.location = str(self.path) if self.storage.local else self.storage.join(self.path.name)
         self.rank = rank
         self.loaded = 0  # artifacts loaded at set-up
         self.load_seconds = 0.0
@@ -45,6 +53,8 @@ class CompileCache:
         the process already chose one with TORCHINDUCTOR_CACHE_DIR.  Returns whether it did."""
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+        if not self.storage.local:
+            return False
         chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         # inductor writes its default into the environment the first time it looks: that is no choice
         if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
@@ -56,13 +66,13 @@ class CompileCache:
 
     def load(self) -> int:
         """Hot-load the cached artifacts, if there are any; returns how many."""
-        if not self.path.is_file():
-            return 0
         start = time.perf_counter()
         try:
-            info = torch.compiler.load_cache_artifacts(self.path.read_bytes())
-        except Exception as e:  # noqa: BLE001 - a bad cache file costs a compile, never the run
-            logger.warning("rayzero: compile cache %s could not be loaded (%s); compiling afresh", self.path, e)
+            if not self.storage.exists(self.location):
+                return 0
+            info = torch.compiler.load_cache_artifacts(self.storage.read_bytes(self.location))
+        except Exception as e:  # noqa: BLE001 - a bad or unreachable cache file costs a compile, never the run
+            logger.warning("rayzero: compile cache %s could not be loaded (%s); compiling afresh", self.location, e)
             return 0
         self.load_seconds = time.perf_counter() - start
         self.loaded = sum(len(v) for v in info.artifacts.values()) if info is not None else 0
@@ -76,14 +86,12 @@ class CompileCache:
         if artifacts is None:
             return 0
         data = artifacts[0]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_bytes(data)
-            os.replace(tmp, self.path)
-        except OSError as e:  # a full or read-only disk loses the cache, not the training
-            tmp.unlink(missing_ok=True)
-            logger.warning("rayzero: compile cache %s could not be written (%s); training goes on", self.path, e)
+            self.storage.makedirs(self.storage.root)
+            # readers see the old file or the new one, never half of one
+            self.storage.write_bytes_atomic(self.location, data, durable=False)
+        except OSError as e:  # a full or read-only disk, or an unreachable store, loses the cache, not the training
+            logger.warning("rayzero: compile cache %s could not be written (%s); training goes on", self.location, e)
             return 0
         self.saved_bytes = len(data)
         return self.saved_bytes

@@ -393,11 +393,12 @@ def fit(
 
     started = _ensure_ray(cluster)
     _wait_for_resources(cluster, started)
-    from rayzero.train.agent import format_node_table, node_table
+    from rayzero.train.agent import check_probes, format_node_table, node_table
 
     nodes = node_table()
     logger.info("nodes:\n%s", format_node_table(nodes))
     print(format_node_table(nodes), flush=True)
+    check_probes(cfg, nodes)
     counted = _model_for_count(model)
     auto = resolve_auto(counted, cfg, cluster, nodes)  # offload_optimizer "auto" -> "none" or "nvme"
     if auto:
@@ -418,6 +419,8 @@ def fit(
                 f"ConfigError); usable sizes: {sorted(plans)}")
         print(note, flush=True)
 
+    # a URI keeps its scheme (and query) so the driver reads the run where the workers write it
+    run_dir = _in_run(cluster.storage, name)
     config_dict = cfg.to_dict()
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         config_dict.pop(key, None)
@@ -442,6 +445,7 @@ def fit(
         tp=tp,
         ep=ep,
         world_sizes=sorted(plans),
+        compile_cache=_in_run(run_dir, "compile_cache"),
         extra={"verbose": cluster.verbose},
     )
     for what in ("data", "loss_fn", "train_step", "collate"):
@@ -472,12 +476,6 @@ def fit(
         ),
         datasets={"train": data} if _is_ray_dataset(data) else None,
     )
-    # keep a URI's scheme (and query) so the driver reads the run where the workers write it
-    if "://" in cluster.storage:
-        base, _, query = cluster.storage.partition("?")
-        run_dir = f"{base.rstrip('/')}/{name}" + (f"?{query}" if query else "")
-    else:
-        run_dir = os.path.join(cluster.storage, name)
     resume = _resume_step(run_dir)
     if resume is not None:
         _say(cluster, f"resuming run {name} from step {resume[0]} (checkpoint {resume[1]})")
@@ -558,6 +556,14 @@ def _plan_run(cfg: Config, cluster: ClusterConfig) -> tuple[int, list[int] | Non
         micro_sizes = MicroBatchSizes(micro_sizes, micro_batch=micro, accumulation=accumulation)
     plans = plan_range(global_batch, cluster.min_workers, cluster.max_workers, micro_sizes, tp, ep)
     return global_batch, micro_sizes, plans
+
+
+def _in_run(run_dir: str, name: str) -> str:
+    """``name`` inside the run directory, a path or a URI (whose query stays at the end)."""
+    if "://" not in run_dir:
+        return os.path.join(run_dir, name)
+    base, _, query = run_dir.partition("?")
+    return f"{base.rstrip('/')}/{name}" + (f"?{query}" if query else "")
 
 
 def _checkpoint_location(storage: str, run_dir: str, checkpoint) -> str | None:
