@@ -101,24 +101,63 @@ def test_worker_output_filter_drops_ray_noise_and_prints_each_warning_once():
 
 def test_node_table_says_free_disk_and_counts_gpus_and_cpus():
     gib = 1 << 30
+    all_ok = {"bf16": True, "fp16": True, "fused_optimizer": True, "graph_capture": True, "errors": {}}
     rows = [
-        {"hostname": "gpu-node-1", "accelerator": "cuda", "devices": 8, "graph_capture": True,
+        {"hostname": "gpu-node-1", "accelerator": "cuda", "devices": 8, "graph_capture": True, "probe": all_ok,
          "memory_total": 80 * gib, "memory_available": 79 * gib, "swap_free": 500 * gib,
-         "ray_resources": {"CPU": 96.0, "GPU": 8.0}},
+         "ray_resources": {"CPU": 96.0, "GPU": 8.0}, "note": ""},
         {"hostname": "cpu-node-1", "accelerator": "cpu", "devices": 1, "graph_capture": False,
+         "probe": {**all_ok, "fp16": False, "graph_capture": False, "errors": {"fp16": "RuntimeError: no half"}},
          "memory_total": 32 * gib, "memory_available": 30 * gib, "swap_free": 100 * gib,
-         "ray_resources": {"CPU": 16.0}},
-        # a GPU node as its agent sees it: the agent reserves no GPU, so Ray hides them from it
-        {"hostname": "gpu-node-2", "accelerator": "cpu", "devices": 1, "graph_capture": False,
+         "ray_resources": {"CPU": 16.0}, "note": ""},
+        # a GPU node whose GPUs another run held: its agent reported without them, so Ray hid them
+        {"hostname": "gpu-node-2", "accelerator": "cpu", "devices": 1, "graph_capture": False, "probe": all_ok,
          "memory_total": 64 * gib, "memory_available": 60 * gib, "swap_free": 10 * gib,
-         "ray_resources": {"CPU": 32.0, "GPU": 4.0}},
+         "ray_resources": {"CPU": 32.0, "GPU": 4.0}, "note": "its GPUs were busy for 30 s: not probed"},
     ]
-    header, gpu, cpu, hidden = format_node_table(rows).splitlines()
-    assert hidden.split()[:3] == ["gpu-node-2", "gpu", "4"] and "4 GPU" in hidden
-    assert "free disk GiB" in header and "swap" not in header
-    assert gpu.split()[:3] == ["gpu-node-1", "cuda", "8"] and "8 GPU" in gpu and gpu.split()[4] == "yes"
-    assert cpu.split()[:3] == ["cpu-node-1", "cpu", "16"] and "16 CPU" in cpu and cpu.split()[4] == "no"
+    header, gpu, cpu, hidden, *notes = format_node_table(rows).splitlines()
+    assert hidden.split()[:5] == ["gpu-node-2", "gpu", "4", "GPU", "?"]
+    assert "free disk GiB" in header and "swap" not in header and "works (probed)" in header
+    assert gpu.split()[:5] == ["gpu-node-1", "cuda", "8", "GPU", "bf16,fp16,fused,capture"]
+    assert cpu.split()[:5] == ["cpu-node-1", "cpu", "16", "CPU", "bf16,fused"]
     assert gpu.split()[-1] == "500.0" and cpu.split()[-1] == "100.0"
+    assert notes == ["  cpu-node-1: fp16: RuntimeError: no half", "  gpu-node-2: its GPUs were busy for 30 s: not probed"]
+
+
+def test_a_config_that_a_node_failed_the_probe_for_is_refused_before_workers_start():
+    from rayzero.config import Config, ConfigError
+    from rayzero.train.agent import check_probes
+
+    ok = {"bf16": True, "fp16": True, "fused_optimizer": True, "graph_capture": True, "errors": {}}
+    bad = {**ok, "bf16": False, "errors": {"bf16": "AssertionError: bf16 matmul off by 3.0"}}
+    rows = [{"hostname": "a", "accelerator": "cuda", "probe": ok, "note": ""},
+            {"hostname": "b", "accelerator": "cuda", "probe": bad, "note": ""}]
+    bf16 = Config.from_any({"train_batch_size": 4, "bf16": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"node b's cuda device failed the bf16 probe \(AssertionError: bf16 matmul "
+                                          r"off by 3.0\); set bf16.enabled to false"):
+        check_probes(bf16, rows)
+    check_probes(Config.from_any({"train_batch_size": 4}), rows)  # fp32 asks nothing of it
+    check_probes(bf16, [rows[0], {**rows[1], "note": "its GPUs were busy for 30 s: not probed"}])  # not judged
+
+
+def test_the_probe_runs_on_the_device_and_finds_what_it_cannot_do():
+    from rayzero.accelerator.cpu import CpuAccelerator
+    from rayzero.accelerator.probe import probe
+
+    found = probe(CpuAccelerator())
+    assert {k: found[k] for k in ("bf16", "fp16", "fused_optimizer")} == dict.fromkeys(("bf16", "fp16", "fused_optimizer"), True)
+
+    class BrokenHalf(CpuAccelerator):
+        def device(self, index=None):
+            return torch.device("meta")  # every kernel "runs", but nothing comes back to compare
+
+        def is_bf16_supported(self):
+            return False
+
+    broken = probe(BrokenHalf())
+    assert broken["bf16"] is False and "bf16" not in broken["errors"]  # declared off: not tried
+    assert broken["fp16"] is False and "fp16" in broken["errors"]  # tried: no result
+    assert broken["fused_optimizer"] is False and "fused_optimizer" in broken["errors"]
 
 
 def test_worker_slots_and_what_is_missing():

@@ -1,6 +1,11 @@
-"""The per-node agent: one actor per node, for the length of a report, that says what the driver needs to plan;
-and what the driver knows of the cluster's capacity: the worker slots each node has and whether an autoscaler
-can add more."""
+"""The node's accelerator actor (``NodeAgent``): one per node, for the length of a report, that holds the
+node's devices, probes what they really do and says what the driver needs to plan; and what the driver
+knows of the cluster's capacity: the worker slots each node has and whether an autoscaler can add more.
+
+Where Ray counts GPUs on a node, its agent asks Ray for all of them, so Ray shows the devices to it (and
+marks them in use while it probes); the agent lives only for the report and gives them back before any
+worker starts.  If they are busy (another run holds them), a device-less agent reports instead and the
+node's row says so."""
 
 from __future__ import annotations
 
@@ -15,8 +20,12 @@ import ray
 
 @ray.remote(num_cpus=0)
 class NodeAgent:
+    def ping(self) -> bool:
+        return True
+
     def report(self, swap_path: str | None = None) -> dict:
         from rayzero.accelerator import get_accelerator
+        from rayzero.accelerator.probe import probe
 
         acc = get_accelerator()
         from rayzero.offload.swap_store import free_bytes
@@ -29,6 +38,8 @@ class NodeAgent:
             "hostname": os.uname().nodename,
             "accelerator": acc.name,
             "devices": acc.device_count(),
+            "gpu_ids": [str(i) for i in ray.get_gpu_ids()],  # the devices Ray gave this agent
+            "probe": probe(acc),
             "graph_capture": acc.supports_graph_capture(),
             "memory_total": total,
             "memory_available": available,
@@ -54,31 +65,47 @@ def _memory_limits(acc):
     return acc.total_memory(), acc.available_memory(), f"{acc.name} device memory", host
 
 
-def node_table(swap_path: str | None = None, timeout_s: float = 60.0) -> list[dict]:
+def _start_agents(nodes: list[dict], device_wait_s: float) -> tuple[list, list[str]]:
+    """One agent per node, holding the node's GPUs where Ray counts any.  An agent whose GPUs are not
+    granted within ``device_wait_s`` (another run holds them) is replaced by one that asks for none."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def start(node: dict, gpus: float):
+        return NodeAgent.options(
+            num_gpus=gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+        ).remote()
+
+    agents = [start(n, (n.get("Resources") or {}).get("GPU", 0)) for n in nodes]
+    notes = [""] * len(nodes)
+    waiting = {a.ping.remote(): i for i, a in enumerate(agents) if (nodes[i].get("Resources") or {}).get("GPU")}
+    if waiting:
+        ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=device_wait_s)
+        for call, i in waiting.items():
+            if call not in ready:
+                ray.kill(agents[i])
+                agents[i] = start(nodes[i], 0)
+                notes[i] = f"its GPUs were busy for {device_wait_s:g} s: not probed"
+    return agents, notes
+
+
+def node_table(swap_path: str | None = None, timeout_s: float = 60.0, device_wait_s: float = 30.0) -> list[dict]:
     """Start one agent per alive node, collect their reports and stop the agents; each report also carries the
     node's Ray resources (``ray_resources``: the totals Ray schedules workers on).
 
+    Each agent holds its node's GPUs while it reports (``device_wait_s``: how long to wait for them before
+    reporting without them), probes them (``rayzero.accelerator.probe``) and is stopped afterwards.
     The agents live only for the report (nothing is left on the cluster when a run ends), and a node whose
     agent does not answer within ``timeout_s`` (it died, or left the cluster after it was listed) is left
     out with a warning instead of failing the run; no answer from any node is an error."""
     import logging
 
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    agents, nodes = [], []
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        agent = NodeAgent.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-        ).remote()
-        agents.append(agent)
-        nodes.append(node)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    agents, notes = _start_agents(nodes, device_wait_s)
     calls = [a.report.remote(swap_path) for a in agents]
     try:
         ready, _ = ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
         reports, missing = [], []
-        for call, node in zip(calls, nodes):
+        for i, (call, node) in enumerate(zip(calls, nodes)):
             try:
                 if call not in ready:
                     raise TimeoutError(f"no report within {timeout_s:g} s")
@@ -87,6 +114,7 @@ def node_table(swap_path: str | None = None, timeout_s: float = 60.0) -> list[di
                 missing.append(f"{node['NodeID'][:12]} ({node.get('NodeManagerAddress', '?')}): {type(e).__name__}: {e}")
                 continue
             report["ray_resources"] = dict(node.get("Resources") or {})
+            report["note"] = notes[i]
             reports.append(report)
     finally:
         for a in agents:
@@ -101,9 +129,8 @@ def node_table(swap_path: str | None = None, timeout_s: float = 60.0) -> list[di
 def _devices(r: dict) -> str:
     """What a node offers its workers, as Ray schedules them: its GPUs where Ray counts any, else its CPUs.
 
-    Counted from Ray's resources, not by the agent: the agent reserves nothing (``num_cpus=0``), so Ray hides
-    the node's GPUs from it, and making them visible would give this idle actor a CUDA context on every GPU
-    node's first device."""
+    Counted from Ray's resources where the agent could not hold the node's GPUs (they were busy): Ray then
+    hides them from it."""
     ray_res = r.get("ray_resources") or {}
     if r["accelerator"] != "cpu":
         return f"{r['devices']} {'GPU' if r['accelerator'] == 'cuda' else r['accelerator']}"
@@ -123,15 +150,30 @@ def _accelerator(r: dict) -> str:
 def format_node_table(rows: list[dict]) -> str:
     gib = 1 << 30
     lines = [
-        "node          accelerator  devices  graph-capture  memory (usable / avail GiB)  free disk GiB",
+        "node          accelerator  devices  works (probed)           memory (usable / avail GiB)  free disk GiB",
     ]
+    notes = []
     for r in rows:
         lines.append(
-            f"{r['hostname'][:12]:<13} {_accelerator(r):<12} {_devices(r):>7}  "
-            f"{'yes' if r['graph_capture'] else 'no':<13}  "
+            f"{r['hostname'][:12]:<13} {_accelerator(r):<12} {_devices(r):>7}  {_works(r):<24} "
             f"{r['memory_total'] / gib:>10.1f} / {r['memory_available'] / gib:<10.1f}     {r['swap_free'] / gib:>8.1f}"
         )
-    return "\n".join(lines)
+        failed = (r.get("probe") or {}).get("errors") or {}
+        if r.get("note") or failed:
+            why = r.get("note") or "; ".join(f"{k}: {v}" for k, v in failed.items())
+            notes.append(f"  {r['hostname']}: {why}")
+    return "\n".join(lines + notes)
+
+
+_SHORT = {"bf16": "bf16", "fp16": "fp16", "fused_optimizer": "fused", "graph_capture": "capture"}
+
+
+def _works(r: dict) -> str:
+    """What the node's probe found working, comma-separated ("-" for nothing, "?" when not probed)."""
+    probe = r.get("probe")
+    if not probe or r.get("note"):
+        return "?"
+    return ",".join(short for name, short in _SHORT.items() if probe.get(name)) or "-"
 
 
 # ---- capacity: worker slots, and whether the cluster can grow -----------------------------------------------
@@ -292,3 +334,26 @@ def started_here() -> bool:
     join): such a local cluster has no autoscaler."""
     node = getattr(ray._private.worker, "_global_node", None)
     return bool(node is not None and getattr(node, "head", False))
+
+
+def check_probes(cfg, rows: list[dict]) -> None:
+    """Refuse, before any worker starts, a config that asks a node's device for what its probe found broken
+    (bf16 or fp16 compute, graph capture).  Nodes that were not probed are not judged."""
+    from rayzero.config import ConfigError
+
+    wanted = {
+        "bf16": (cfg.bf16.enabled, "set bf16.enabled to false (fp16 or fp32), or leave that node out"),
+        "fp16": (cfg.fp16.enabled, "set fp16.enabled to false (bf16 or fp32), or leave that node out"),
+        "graph_capture": (cfg.graph_capture.enabled, "set graph_capture.enabled to false"),
+    }
+    for r in rows:
+        probe = r.get("probe")
+        if not probe or r.get("note"):
+            continue
+        for name, (on, fix) in wanted.items():
+            if on and not probe.get(name):
+                why = (probe.get("errors") or {}).get(name, "the device said it cannot")
+                raise ConfigError(
+                    f"the config enables {name}, but node {r['hostname']}'s {r['accelerator']} device failed the "
+                    f"{name} probe ({why}); {fix}"
+                )
