@@ -101,6 +101,7 @@ def test_worker_output_filter_drops_ray_noise_and_prints_each_warning_once():
 
 def test_node_table_says_free_disk_and_counts_gpus_and_cpus():
     gib = 1 << 30
+    busy = "its GPUs were not granted within 30 s (in use by another job?): not probed"
     all_ok = {"bf16": True, "fp16": True, "fused_optimizer": True, "graph_capture": True, "errors": {}}
     rows = [
         {"hostname": "gpu-node-1", "accelerator": "cuda", "devices": 8, "graph_capture": True, "probe": all_ok,
@@ -113,7 +114,7 @@ def test_node_table_says_free_disk_and_counts_gpus_and_cpus():
         # a GPU node whose GPUs another run held: its agent reported without them, so Ray hid them
         {"hostname": "gpu-node-2", "accelerator": "cpu", "devices": 1, "graph_capture": False, "probe": all_ok,
          "memory_total": 64 * gib, "memory_available": 60 * gib, "swap_free": 10 * gib,
-         "ray_resources": {"CPU": 32.0, "GPU": 4.0}, "note": "its GPUs were busy for 30 s: not probed"},
+         "ray_resources": {"CPU": 32.0, "GPU": 4.0}, "note": busy},
     ]
     header, gpu, cpu, hidden, *notes = format_node_table(rows).splitlines()
     assert hidden.split()[:5] == ["gpu-node-2", "gpu", "4", "GPU", "?"]
@@ -121,7 +122,7 @@ def test_node_table_says_free_disk_and_counts_gpus_and_cpus():
     assert gpu.split()[:5] == ["gpu-node-1", "cuda", "8", "GPU", "bf16,fp16,fused,capture"]
     assert cpu.split()[:5] == ["cpu-node-1", "cpu", "16", "CPU", "bf16,fused"]
     assert gpu.split()[-1] == "500.0" and cpu.split()[-1] == "100.0"
-    assert notes == ["  cpu-node-1: fp16: RuntimeError: no half", "  gpu-node-2: its GPUs were busy for 30 s: not probed"]
+    assert notes == ["  cpu-node-1: fp16: RuntimeError: no half", f"  gpu-node-2: {busy}"]
 
 
 def test_a_config_that_a_node_failed_the_probe_for_is_refused_before_workers_start():
@@ -137,7 +138,7 @@ def test_a_config_that_a_node_failed_the_probe_for_is_refused_before_workers_sta
                                           r"off by 3.0\); set bf16.enabled to false"):
         check_probes(bf16, rows)
     check_probes(Config.from_any({"train_batch_size": 4}), rows)  # fp32 asks nothing of it
-    check_probes(bf16, [rows[0], {**rows[1], "note": "its GPUs were busy for 30 s: not probed"}])  # not judged
+    check_probes(bf16, [rows[0], {**rows[1], "note": "its GPUs were not granted within 30 s: not probed"}])  # not judged
 
 
 def test_the_probe_runs_on_the_device_and_finds_what_it_cannot_do():

@@ -43,9 +43,42 @@ def test_the_agent_holds_the_nodes_gpus_while_it_probes_and_reports_without_them
         start = time.monotonic()
         [busy] = node_table(device_wait_s=2)
         assert time.monotonic() - start < 30
-        assert busy["gpu_ids"] == [] and busy["note"] == "its GPUs were busy for 2 s: not probed"
-        assert "its GPUs were busy" in format_node_table([busy])
+        assert busy["gpu_ids"] == []
+        assert busy["note"] == "its GPUs were not granted within 2 s (in use by another job?): not probed"
+        assert "its GPUs were not granted" in format_node_table([busy])
         ray.kill(holder)
         assert [a for a in actors(actor_state_name="ALIVE").values() if a["ActorClassName"] == "NodeAgent"] == []
     finally:
         ray.shutdown()
+
+
+def test_a_node_whose_agent_does_not_answer_is_left_out_with_a_warning(caplog):
+    """Two nodes; the second one's raylet is frozen (SIGSTOP), so the cluster still lists it alive but its agent
+    never starts: the table has the first node, and the warning names the second."""
+    import logging
+    import os
+    import signal
+
+    from ray.cluster_utils import Cluster
+
+    from rayzero.train.agent import node_table
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        worker = cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        frozen = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] == worker.node_id)
+        raylet = worker.all_processes["raylet"][0].process
+        os.kill(raylet.pid, signal.SIGSTOP)
+        try:
+            with caplog.at_level(logging.WARNING, logger="rayzero"):
+                rows = node_table(timeout_s=8)
+        finally:
+            os.kill(raylet.pid, signal.SIGCONT)
+        assert [r["node_id"] for r in rows] == [cluster.head_node.node_id]
+        assert f"nodes left out of the node table: {frozen[:12]}" in caplog.text
+        assert "TimeoutError: no report within 8 s" in caplog.text
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

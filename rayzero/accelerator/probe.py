@@ -20,9 +20,6 @@ from typing import Any
 
 import torch
 
-PROBES = ("bf16", "fp16", "fused_optimizer", "graph_capture")
-
-
 def _matmul(acc: Any, dtype: torch.dtype) -> bool:
     if not (acc.is_bf16_supported() if dtype == torch.bfloat16 else acc.is_fp16_supported()):
         return False

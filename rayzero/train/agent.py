@@ -84,7 +84,8 @@ def _start_agents(nodes: list[dict], device_wait_s: float) -> tuple[list, list[s
             if call not in ready:
                 ray.kill(agents[i])
                 agents[i] = start(nodes[i], 0)
-                notes[i] = f"its GPUs were busy for {device_wait_s:g} s: not probed"
+                notes[i] = f"its GPUs were not granted within {device_wait_s:g} s (in use by another job?): " \
+                           "not probed"
     return agents, notes
 
 
@@ -129,7 +130,7 @@ def node_table(swap_path: str | None = None, timeout_s: float = 60.0, device_wai
 def _devices(r: dict) -> str:
     """What a node offers its workers, as Ray schedules them: its GPUs where Ray counts any, else its CPUs.
 
-    Counted from Ray's resources where the agent could not hold the node's GPUs (they were busy): Ray then
+    Counted from Ray's resources where the agent could not hold the node's GPUs (not granted): Ray then
     hides them from it."""
     ray_res = r.get("ray_resources") or {}
     if r["accelerator"] != "cpu":
