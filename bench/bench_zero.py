@@ -8,8 +8,8 @@
 Every system runs in its own fresh spawn of ``--world`` processes (gloo on 127.0.0.1, one torch thread per
 rank), so peak RSS is per system.  Each rank builds the same model from the same seed and trains on its own
 slice of the same random global batches: forward, MSE loss, backward, gradient clipping at 1.0, AdamW.
-A single process doing one rank's share of the work without any communication gives the compute-only
-baseline; a process that only imported torch gives the runtime baseline for memory.  See bench/README.md.
+A single process doing one rank's share of the work without any communication, with torch's fused AdamW
+(the fastest any row runs), gives the compute-only baseline; a process that only imported torch gives the runtime baseline for memory.  See bench/README.md.
 
 ``--memory`` measures memory instead of speed: every rank runs with ``MALLOC_MMAP_THRESHOLD_=65536`` (glibc
 returns every large ``free`` to the OS, so RSS follows the live tensors), takes its own baseline after the
@@ -248,7 +248,9 @@ def _plain_step(model, opt, clip):
 
 
 def setup_compute_only(model, a, world):
-    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(a))
+    # the limit: the fastest AdamW any row runs (torch's fused kernel, rayzero's default), whatever the others
+    # use, so no system can come out faster than the work it does
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=True)
     return _plain_step(model, opt, a.clip), lambda: None
 
 
@@ -608,7 +610,8 @@ def render(results: list[dict], meta: dict) -> str:
         f"clip {meta['clip']}, micro-batch {meta['micro']}/rank, world {meta['world']} (gloo, 1 thread/rank), "
         f"{meta['warmup']} warm-up + {meta['steps']} timed steps, buckets {meta['bucket_elements']:,} elements "
         f"(rows 'config defaults': none set){best_of}"
-        f"{', AdamW fused=True' if meta['adam_fused'] else ''}.",
+        f"{', AdamW fused=True in every system' if meta['adam_fused'] else ''}; AdamW: compute-only fused, "
+        f"rayzero fused (its default){', peers torch default (foreach)' if not meta['adam_fused'] else ', peers fused'}.",
         _provenance_line(meta.get("provenance", {})),
         f"Runtime baseline (process that imported torch, built nothing): {base:.0f} MiB RSS; after one tiny "
         f"forward/backward/AdamW step (lazy imports such as torch._dynamo): {meta['baseline_after_tiny_step_mib']:.0f} MiB.",
