@@ -182,16 +182,27 @@ class Communicator:
             backend = dist.get_backend(group)
         else:
             rank, world, backend = 0, 1, "none"
+        if transport in ("auto", "ordered") and backend == "gloo" and world > 1:
+            from rayzero.comm.shm import shm_supported
+
+            if shm_supported():  # shared memory between the ranks on this host, gloo to others
+                transport = "shm-ordered" if transport == "ordered" else "shm"
         if transport == "auto":
             transport = "pairwise" if backend == "gloo" else "native"
-        if transport == "pairwise":
-            impl: Transport = PairwiseTransport(group, rank, world)
+        if transport in ("shm", "shm-ordered"):
+            from rayzero.comm.shm import ShmTransport
+
+            impl: Transport = ShmTransport(group, rank, world, ordered=transport == "shm-ordered")
+        elif transport == "pairwise":
+            impl = PairwiseTransport(group, rank, world)
         elif transport == "ordered":
             impl = OrderedTransport(group, rank, world)
         elif transport == "native":
             impl = NativeTransport(group, rank, world)
         else:
-            raise ValueError(f"unknown transport {transport!r}; use 'auto', 'native', 'pairwise' or 'ordered'")
+            raise ValueError(
+                f"unknown transport {transport!r}; use 'auto', 'native', 'pairwise', 'ordered', 'shm' or 'shm-ordered'"
+            )
         if device is None:
             from rayzero.accelerator import get_accelerator
 
