@@ -1,7 +1,8 @@
-"""Per-collective cost and throughput of rayzero's transport over gloo: the figures behind the gloo entry of
-``rayzero/zero/buckets.py`` (docs/config.md, "Derived bucket sizes").
+"""Per-collective cost and throughput of rayzero's transport on a gloo group: the figures behind the gloo
+entry of ``rayzero/zero/buckets.py`` (docs/config.md, "Derived bucket sizes").
 
-    python bench/bench_comm.py              # 2 ranks on this host
+    python bench/bench_comm.py              # 2 ranks on this host: the shared-memory transport
+    RAYZERO_SHM=0 python bench/bench_comm.py  # the same through gloo's sockets (pairwise)
     python bench/bench_comm.py --world 4
 
 Each rank runs rayzero's own ``Communicator`` (what the gradient reducer and weight publisher use) on a
@@ -49,6 +50,8 @@ def _rank_main(rank: int, world: int, port: int, queue) -> None:
                     op().wait()
                 times.append((time.perf_counter() - t0) / REPEATS)
             out[n] = times
+        shm = getattr(comm.transport, "_local", None)  # the shared-memory transport, when it is in use
+        out["transport"] = "shared memory (/dev/shm)" if shm else "gloo (pairwise)"
         queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -66,7 +69,8 @@ def main(argv=None) -> int:
     if error is not None:
         print(error, file=sys.stderr)
         return 1
-    print(f"rayzero Communicator over gloo, {a.world} ranks on one host, fp32, mean of {REPEATS} calls (slowest rank)")
+    print(f"rayzero Communicator on a gloo group, transport {ranks[0]['transport']}, {a.world} ranks on one host, "
+          f"fp32, mean of {REPEATS} calls (slowest rank)")
     print("| bucket elements | bucket MB | reduce-scatter ms | all-gather ms | reduce-scatter GB/s of bucket |")
     print("|---:|---:|---:|---:|---:|")
     for n in SIZES:
