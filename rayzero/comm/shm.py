@@ -198,20 +198,23 @@ class ShmTransport(PairwiseTransport):
                         f"chunk {q} within {self.timeout_s:g} s (a rank died or is stuck); the run cannot go on"
                     )
 
-    def _exchange(self, dtype: torch.dtype, pieces: list[tuple[int, Callable[[torch.Tensor], None],
-                                                                Callable[[list[torch.Tensor]], None]]]) -> None:
-        """Run chunks: for each ``(numel, fill, use)``, ``fill(my_slot)`` writes this rank's piece, then
-        ``use([slot of rank 0, ..., slot of rank W-1])`` reads everyone's."""
+    def _exchange(self, dtype: torch.dtype, total: int, step: int, width: int,
+                  fill: Callable[[torch.Tensor, int, int], None],
+                  use: Callable[[list[torch.Tensor], int, int], None]) -> None:
+        """Run the collective in chunks of ``step`` of its ``total`` columns (``width`` elements each): for
+        columns ``[a, b)``, ``fill(my_slot, a, b)`` writes this rank's piece, then ``use([slot of rank 0,
+        ..., slot of rank W-1], a, b)`` reads everyone's."""
         seg = self._seg
-        for numel, fill, use in pieces:
+        for a in range(0, total, step):
+            b = min(total, a + step)
             self._chunk += 1
             q = self._chunk
             s = q % SLOTS
             self._wait_all(seg.done[s], q - SLOTS, "finish reading", q - SLOTS)
-            fill(seg.slot(s, self.rank, dtype, numel))
+            fill(seg.slot(s, self.rank, dtype, width * (b - a)), a, b)
             seg.written[s, self.rank] = q
             self._wait_all(seg.written[s], q, "write", q)
-            use([seg.slot(s, j, dtype, numel) for j in range(self.world)])
+            use([seg.slot(s, j, dtype, width * (b - a)) for j in range(self.world)], a, b)
             seg.done[s, self.rank] = q
 
     def _cols_per_chunk(self, rows: int, element_size: int) -> int:
@@ -222,76 +225,51 @@ class ShmTransport(PairwiseTransport):
         if self.world == 1 or not self._ready():
             return super().reduce_scatter(out, rows)
         w, r, cols = self.world, self.rank, rows.shape[1]
+
+        def fill(slot: torch.Tensor, a: int, b: int) -> None:
+            slot.view(w, b - a).copy_(rows[:, a:b])
+
+        def use(slots: list[torch.Tensor], a: int, b: int) -> None:
+            _sum_into(out[a:b], [sl.view(w, b - a)[r] for sl in slots])
+
         step = self._cols_per_chunk(w, rows.element_size())
-
-        def run() -> None:
-            pieces = []
-            for a in range(0, cols, step):
-                b = min(cols, a + step)
-
-                def fill(slot, a=a, b=b):
-                    slot.view(w, b - a).copy_(rows[:, a:b])
-
-                def use(slots, a=a, b=b):
-                    part = [sl.view(w, b - a)[r] for sl in slots]
-                    dst = out[a:b]
-                    dst.copy_(part[0])
-                    for p in part[1:]:
-                        dst.add_(p)
-
-                pieces.append((w * (b - a), fill, use))
-            self._exchange(rows.dtype, pieces)
-
-        return self._issue(run)
+        return self._issue(lambda: self._exchange(rows.dtype, cols, step, w, fill, use))
 
     def all_gather(self, rows: torch.Tensor, mine: torch.Tensor) -> Handle:
         if self.world == 1 or not self._ready():
             return super().all_gather(rows, mine)
-        cols = rows.shape[1]
+
+        def fill(slot: torch.Tensor, a: int, b: int) -> None:
+            slot.copy_(mine[a:b])
+
+        def use(slots: list[torch.Tensor], a: int, b: int) -> None:
+            for j, sl in enumerate(slots):
+                rows[j, a:b].copy_(sl)
+
         step = self._cols_per_chunk(1, rows.element_size())
-
-        def run() -> None:
-            pieces = []
-            for a in range(0, cols, step):
-                b = min(cols, a + step)
-
-                def fill(slot, a=a, b=b):
-                    slot.copy_(mine[a:b])
-
-                def use(slots, a=a, b=b):
-                    for j, sl in enumerate(slots):
-                        rows[j, a:b].copy_(sl)
-
-                pieces.append((b - a, fill, use))
-            self._exchange(rows.dtype, pieces)
-
-        return self._issue(run)
+        return self._issue(lambda: self._exchange(rows.dtype, rows.shape[1], step, 1, fill, use))
 
     def all_reduce(self, tensor: torch.Tensor) -> Handle:
         if self.world == 1 or not self._ready():
             return OrderedTransport.all_reduce(self, tensor) if self.ordered else super().all_reduce(tensor)
-        flat = tensor.view(-1) if tensor.is_contiguous() else None
-        n = tensor.numel()
-        step = self._cols_per_chunk(1, tensor.element_size())
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+
+        def fill(slot: torch.Tensor, a: int, b: int) -> None:
+            slot.copy_(flat[a:b])
+
+        def use(slots: list[torch.Tensor], a: int, b: int) -> None:
+            _sum_into(flat[a:b], slots)
 
         def run() -> None:
-            src = flat if flat is not None else tensor.reshape(-1).clone()
-            pieces = []
-            for a in range(0, n, step):
-                b = min(n, a + step)
-
-                def fill(slot, a=a, b=b):
-                    slot.copy_(src[a:b])
-
-                def use(slots, a=a, b=b):
-                    dst = src[a:b]
-                    dst.copy_(slots[0])
-                    for sl in slots[1:]:
-                        dst.add_(sl)
-
-                pieces.append((b - a, fill, use))
-            self._exchange(tensor.dtype, pieces)
-            if flat is None:
-                tensor.copy_(src.view(tensor.shape))
+            self._exchange(tensor.dtype, flat.numel(), self._cols_per_chunk(1, tensor.element_size()), 1, fill, use)
+            if not tensor.is_contiguous():
+                tensor.copy_(flat.view(tensor.shape))
 
         return self._issue(run)
+
+
+def _sum_into(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """``dst = parts[0] + parts[1] + ...``, added in rank order, as the pairwise transport adds them."""
+    dst.copy_(parts[0])
+    for p in parts[1:]:
+        dst.add_(p)
