@@ -7,7 +7,10 @@ has only the torch.compiler artifacts).  Rows:
 
 * eager: no capture (the floor: set-up plus two steps);
 * cold: capture of the step and the model, an empty cache_dir (compiles everything, rank 0 writes it);
-* warm: the same, with the cache_dir the cold run wrote (loads it before anything compiles).
+* warm: the same, with the cache_dir the cold run wrote (loads it before anything compiles);
+* new node: the same on a node that has never compiled: its compile cache owner (the ``NodeCompileCache``
+  actor's logic, rayzero/train/compile_actor.py) fetched what the cold node's owner uploaded to the run's
+  storage (the artifacts and the kernel archive), as on a node the autoscaler just added.
 
 The clock runs from before ``rayzero.initialize`` to the end of step 2 (step 1 is the eager warm-up step;
 step 2 records and replays the step's graphs; the model compiles in step 1).  World size 1.
@@ -85,24 +88,47 @@ def main() -> None:
     if a.child:
         child(a.child, a.cache_dir, a.hidden)
         return
-    rows: dict[str, list[dict]] = {"eager": [], "cold": [], "warm": []}
+    sys.path.insert(0, ROOT)
+    from rayzero.train.compile_actor import CompileCacheOwner
+
+    rows: dict[str, list[dict]] = {"eager": [], "cold": [], "warm": [], "new node": []}
     with tempfile.TemporaryDirectory() as scratch:
         for i in range(a.repeat):
-            cache_dir = os.path.join(scratch, f"cache{i}")
+            run_cache = os.path.join(scratch, f"run{i}", "compile_cache")  # the run's storage
+            first = CompileCacheOwner(run_cache, "bench", root=os.path.join(scratch, f"node-a{i}"), sync_interval_s=0)
+            cache_dir = first.lease("cpu")
             rows["eager"].append(run("eager", cache_dir, a.hidden, scratch))
             rows["cold"].append(run("cold", cache_dir, a.hidden, scratch))
             rows["warm"].append(run("warm", cache_dir, a.hidden, scratch))
+            t = time.perf_counter()
+            uploaded = first.sync()
+            upload_s = time.perf_counter() - t
+            second = CompileCacheOwner(run_cache, "bench", root=os.path.join(scratch, f"node-b{i}"), sync_interval_s=0)
+            t = time.perf_counter()
+            node_dir = second.lease("cpu")
+            fetch_s = time.perf_counter() - t
+            row = run("warm", node_dir, a.hidden, scratch)
+            row.update(uploaded=uploaded, upload_s=upload_s, fetch_s=fetch_s, seconds_with_fetch=row["seconds"] + fetch_s)
+            rows["new node"].append(row)
             print(f"[bench] pair {i + 1}: " + ", ".join(f"{k} {v[-1]['seconds']:.1f} s" for k, v in rows.items()),
                   flush=True)
-    med = {k: statistics.median(r["seconds"] for r in v) for k, v in rows.items()}
+    med = {k: statistics.median(r.get("seconds_with_fetch", r["seconds"]) for r in v) for k, v in rows.items()}
     print(f"\nTime to the end of step 2 (s, median of {a.repeat}; hidden {a.hidden}, stage 2, world 1):\n")
     print("| run | seconds | x eager | cache |")
     print("|---|---:|---:|---|")
     for k, v in rows.items():
-        note = {"eager": "no capture", "cold": f"wrote {v[-1]['saved']:,} bytes",
-                "warm": f"loaded {v[-1]['loaded']} artifacts in {v[-1]['load_s']:.2f} s"}[k]
+        last = v[-1]
+        if k == "eager":
+            note = "no capture"
+        elif k == "cold":
+            note = f"wrote {last['saved']:,} bytes"
+        elif k == "warm":
+            note = f"loaded {last['loaded']} artifacts in {last['load_s']:.2f} s"
+        else:
+            note = (f"fetched {last['uploaded']:,} bytes in {last['fetch_s']:.2f} s (counted), "
+                    f"loaded {last['loaded']} artifacts")
         print(f"| {k} | {med[k]:.1f} | {med[k] / med['eager']:.2f} | {note} |")
-    print(f"\nwarm / cold: {med['warm'] / med['cold']:.2f}")
+    print(f"\nwarm / cold: {med['warm'] / med['cold']:.2f}; new node / cold: {med['new node'] / med['cold']:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """The compile cache: what inductor compiled for a run, kept so the next process does not compile it again.
 
 With ``graph_capture.cache_dir`` set, the engine loads ``torch.compiler`` cache artifacts from there at
-set-up (a restarted worker group, or a new node, then reuses the run's compiled kernels), and global rank
-0 writes what its process compiled after the first captured step.  The artifacts carry generated code,
+set-up (a restarted worker group, or a new node, then reuses the run's compiled kernels), and the first
+rank of each host writes what its process compiled after the first captured step.  Under ``rayzero.fit``
+the directory is the node's own, leased from the run's ``NodeCompileCache`` actor
+(``rayzero/train/compile_actor.py``), which keeps it in step with the run's storage.  The artifacts carry generated code,
 not built kernels: on CPU every process would still build the C++ again, so inductor's own cache
 directory (where the built kernels live) goes there too, unless TORCHINDUCTOR_CACHE_DIR is set or the
 directory is a URI (s3://...): there only the artifacts are kept.  The file is named after the torch
@@ -24,9 +26,80 @@ import torch
 logger = logging.getLogger("rayzero")
 
 
+def _torch_version() -> str:
+    return re.sub(r"[^0-9A-Za-z.]+", "_", torch.__version__)
+
+
 def cache_file(directory: str, device_kind: str) -> Path:
-    version = re.sub(r"[^0-9A-Za-z.]+", "_", torch.__version__)
-    return Path(directory) / f"rayzero-compile-torch{version}-{device_kind}.bin"
+    return Path(directory) / f"rayzero-compile-torch{_torch_version()}-{device_kind}.bin"
+
+
+def kernel_dir(directory: str, device_kind: str) -> Path:
+    """Where inductor keeps its built kernels inside a local cache directory."""
+    return Path(directory) / f"inductor-torch{_torch_version()}-{device_kind}"
+
+
+def host_key() -> str:
+    """What built kernels depend on besides torch and the device kind: the CPU architecture, the Python ABI
+    and the C++ compiler.  Kernels built on one host load on another with the same key."""
+    import hashlib
+    import platform
+    import shutil
+    import subprocess
+    import sys
+
+    compiler = ""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        path = name and shutil.which(name)
+        if path:
+            try:
+                compiler = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+            except (OSError, subprocess.SubprocessError):
+                compiler = path
+            break
+    digest = hashlib.sha256(compiler.encode()).hexdigest()[:10]
+    return f"{platform.machine()}-py{sys.version_info.major}{sys.version_info.minor}-cxx{digest}"
+
+
+def kernel_archive_name(device_kind: str) -> str:
+    return f"inductor-torch{_torch_version()}-{device_kind}-{host_key()}.tar"
+
+
+# inductor's precompiled header (~150 MB on CPU) is only needed to build a kernel, and its locks are per host
+_NOT_ARCHIVED = {"precompiled_headers", "locks"}
+
+
+def pack_kernels(directory: Path) -> bytes:
+    """The built kernels of an inductor cache directory as one tar (without what only a build needs)."""
+    import io
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for entry in sorted(Path(directory).iterdir()):
+            if entry.name not in _NOT_ARCHIVED:
+                tar.add(entry, arcname=entry.name)
+    return out.getvalue()
+
+
+def unpack_kernels(data: bytes, directory: Path) -> int:
+    """Extract :func:`pack_kernels`'s tar into ``directory`` (which must stay inside it); returns the files."""
+    import io
+    import tarfile
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]
+        tar.extractall(directory, members=members, filter="data")
+    return sum(1 for m in members if m.isfile())
+
+
+def is_cache_writer(rank: int) -> bool:
+    """Who writes the artifacts: the first rank of each host (``LOCAL_RANK`` 0, as torchrun and Ray Train set
+    it), else global rank 0.  Under ``rayzero.fit`` each node's cache directory is its own, so every node
+    keeps what it compiled; on a directory shared by hosts each writes whole files under the same name."""
+    local = os.environ.get("LOCAL_RANK")
+    return int(local) == 0 if local is not None and local.isdigit() else rank == 0
 
 
 class CompileCache:
@@ -42,6 +115,8 @@ class CompileCache:
         self.path = cache_file(self.storage.root, device_kind)
         self.location = str(self.path) if self.storage.local else self.storage.join(self.path.name)
         self.rank = rank
+        self.device_kind = device_kind
+        self.writer = is_cache_writer(rank)
         self.loaded = 0  # artifacts loaded at set-up
         self.load_seconds = 0.0
         self.saved_bytes = 0
@@ -59,7 +134,7 @@ class CompileCache:
         # inductor writes its default into the environment the first time it looks: that is no choice
         if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
             return False
-        self.kernel_dir = self.path.parent / f"inductor-{self.path.stem.removeprefix('rayzero-compile-')}"
+        self.kernel_dir = kernel_dir(self.path.parent, self.device_kind)
         self.kernel_dir.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.kernel_dir)
         return True
@@ -79,8 +154,9 @@ class CompileCache:
         return self.loaded
 
     def save(self) -> int:
-        """Rank 0 writes what this process compiled (atomically); returns the bytes written."""
-        if self.rank != 0:
+        """The cache writer (:func:`is_cache_writer`) writes what this process compiled (atomically); returns
+        the bytes written."""
+        if not self.writer:
             return 0
         artifacts = torch.compiler.save_cache_artifacts()
         if artifacts is None:

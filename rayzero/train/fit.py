@@ -484,9 +484,17 @@ def fit(
     progress = _Progress(run_dir, max_steps, name) if cluster.progress else None
     swap_root = swap_path(cfg)  # with NVMe offload: one NodeSwapStore per node owns the run's swap files
     swap_stores: dict = {}  # their handles: a store lives while its creator holds one
+    # with graph capture: one NodeCompileCache per node owns the node's compile cache and keeps it in step
+    # with the run's compile_cache/ (unless the config names its own cache_dir)
+    compile_owned = cfg.graph_capture.enabled and not cfg.graph_capture.cache_dir
+    compile_caches: dict = {}
     try:
         if swap_root:
             _start_swap(counted, cfg, cluster, sorted(plans), name, swap_root, swap_stores)
+        if compile_owned:
+            from rayzero.train.compile_actor import start_compile_caches
+
+            start_compile_caches(spec.compile_cache, name, [r["node_id"] for r in nodes], compile_caches)
         if progress is not None:
             progress.start()
         set_worker_output(quiet=not cluster.verbose)
@@ -503,6 +511,10 @@ def fit(
             from rayzero.train.swap_actor import shutdown_stores
 
             shutdown_stores(name, swap_stores)  # removes the run's swap files on every node, however the run ended
+        if compile_owned:
+            from rayzero.train.compile_actor import shutdown_compile_caches
+
+            shutdown_compile_caches(name, compile_caches)  # uploads what the nodes compiled, then cleans them
     if result.error is not None:
         raise result.error
     history = read_metrics(run_dir)

@@ -10,9 +10,10 @@ leave no swap files behind, and ``shutdown()`` (called by the driver when ``fit`
 removes the run's directory.  ``capacity()`` tells the driver the free disk space there before launch.
 
 The actor is named ``rayzero-swap-<node id>`` in the namespace ``rayzero-swap-<run name>``, pinned to its
-node (``NodeAffinitySchedulingStrategy``, hard) with ``num_cpus=0``.  It is not detached: it goes when its
-creator goes (the driver, or the worker that created it on a node that joined after launch), and the next
-actor on that node removes what it left (the run directory records the owning process).
+node (``NodeAffinitySchedulingStrategy``, hard) with ``num_cpus=0`` (``rayzero/train/node_actors.py``).  The
+driver's stores are not detached: they go when the driver goes, and the next actor on that node removes what
+one left (the run directory records the owning process).  A worker on a node that joined after launch
+creates its node's store detached; the driver ends it with the others when ``fit`` ends.
 """
 
 from __future__ import annotations
@@ -27,18 +28,11 @@ from pathlib import Path
 import ray
 
 from rayzero.offload.swap_dirs import pid_alive, prepare_root, process_start_time, remove_stale, write_owner
+from rayzero.train.node_actors import actor_name, actor_namespace, node_actor, shutdown_node_actors
 
 logger = logging.getLogger("rayzero")
 
 _RANK_DIR = re.compile(r"^rank(?P<rank>\d+)-pid(?P<pid>\d+)$")
-
-
-def store_name(node_id: str) -> str:
-    return f"rayzero-swap-{node_id}"
-
-
-def store_namespace(run_name: str) -> str:
-    return f"rayzero-swap-{run_name}"
 
 
 def _used_bytes(path: Path) -> int:
@@ -189,23 +183,23 @@ class NodeSwapStore:
 
 
 # ---- handles (driver and workers) ----------------------------------------------------------------------
+KIND = "rayzero-swap"
+
+
+def store_name(node_id: str) -> str:
+    return actor_name(KIND, node_id)
+
+
+def store_namespace(run_name: str) -> str:
+    return actor_namespace(KIND, run_name)
+
+
 def node_swap_store(nvme_path: str, run_name: str, node_id: str | None = None, detached: bool = False):
     """The run's NodeSwapStore on ``node_id`` (default: this process's node), created if it does not exist.
 
-    A store that is not detached ends when the last handle of its creator goes (Ray counts them), so the
-    creator must keep the handle for as long as the run uses the store.  Workers pass ``detached=True``: the
-    store a worker creates (on a node that joined after launch) must outlive that worker; the driver's
-    ``shutdown_stores`` ends it with the rest."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node_id = node_id or ray.get_runtime_context().get_node_id()
-    return NodeSwapStore.options(
-        name=store_name(node_id),
-        namespace=store_namespace(run_name),
-        get_if_exists=True,
-        lifetime="detached" if detached else None,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote(nvme_path, run_name)
+    Workers pass ``detached=True``: the store a worker creates (on a node that joined after launch) must
+    outlive that worker; the driver's ``shutdown_stores`` ends it with the rest (``node_actors``)."""
+    return node_actor(NodeSwapStore, KIND, run_name, nvme_path, run_name, node_id=node_id, detached=detached)
 
 
 def start_stores(nvme_path: str, run_name: str, node_ids: list[str], handles: dict, timeout_s: float = 60.0
@@ -221,18 +215,4 @@ def start_stores(nvme_path: str, run_name: str, node_ids: list[str], handles: di
 def shutdown_stores(run_name: str, handles: dict | None = None, timeout_s: float = 30.0) -> int:
     """Shut down the run's stores (those in ``handles`` and any other found by name on an alive node), which
     removes the run's swap files, and end them; returns how many."""
-    found = dict(handles or {})
-    for node in ray.nodes():
-        if node["NodeID"] in found or not node.get("Alive"):
-            continue
-        try:
-            found[node["NodeID"]] = ray.get_actor(store_name(node["NodeID"]), namespace=store_namespace(run_name))
-        except ValueError:  # no store of this run on that node
-            continue
-    for handle in found.values():
-        try:
-            ray.get(handle.shutdown.remote(), timeout=timeout_s)
-        except Exception as e:  # a node that went away: its next store removes the directory
-            logger.warning("could not shut down a swap store of run %s: %s", run_name, e)
-        ray.kill(handle)
-    return len(found)
+    return shutdown_node_actors(KIND, run_name, handles, timeout_s)

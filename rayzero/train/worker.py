@@ -124,6 +124,17 @@ def _lease_swap_dir(spec: WorkerSpec) -> Callable[[], None] | None:
     return release
 
 
+def _lease_compile_cache(spec: WorkerSpec, ctx) -> str:
+    """This node's compile cache directory, from the run's NodeCompileCache actor on this node."""
+    import ray
+
+    from rayzero.accelerator import get_accelerator
+    from rayzero.train.compile_actor import node_compile_cache
+
+    owner = node_compile_cache(spec.compile_cache, ctx.get_experiment_name(), detached=True)
+    return ray.get(owner.lease.remote(get_accelerator().name), timeout=600)
+
+
 def _train(spec: WorkerSpec) -> dict:
     import ray.train
     from ray.train import Checkpoint, CheckpointUploadMode
@@ -141,9 +152,10 @@ def _train(spec: WorkerSpec) -> dict:
     storage = Storage.on(run_storage.storage_filesystem, run_storage.experiment_fs_path)
     capture = config.get("graph_capture") or {}
     if capture.get("enabled") and not capture.get("cache_dir") and spec.compile_cache:
-        # what the run compiled lives beside its checkpoints (on local storage or a URI such as s3://): a
-        # restarted or resized worker group, or a node that just joined, loads it instead of compiling again
-        config["graph_capture"] = {**capture, "cache_dir": spec.compile_cache}
+        # the node's compile cache, which its actor keeps in step with the run's compile_cache/ (beside the
+        # checkpoints): a restarted or resized worker group, or a node that just joined, loads what the run
+        # compiled instead of compiling again
+        config["graph_capture"] = {**capture, "cache_dir": _lease_compile_cache(spec, ctx)}
     engine = rayzero.initialize(_build_model(spec), config)
     # the data coordinate: ranks of one TP group feed the same batch, so data is cut over dp, not world
     dp_rank, dp_world = engine.dp_rank, engine.dp_world_size
