@@ -79,6 +79,22 @@ def test_fit_with_graph_capture_keeps_the_compile_cache_in_the_run(tmp_path):
         assert any(name.endswith(".so") for name in tar.getnames())
 
 
+def test_a_node_without_a_compile_cache_actor_is_left_out_not_fatal(tmp_path, caplog):
+    from rayzero.train.compile_actor import shutdown_compile_caches, start_compile_caches
+
+    here = ray.get_runtime_context().get_node_id()
+    gone = "ab" * (len(here) // 2)  # a node that is not in the cluster (one that died before launch)
+    handles: dict = {}
+    with caplog.at_level("WARNING", logger="rayzero"):
+        start_compile_caches(str(tmp_path / "compile_cache"), "left-out", [here, gone], handles, timeout_s=10)
+    assert list(handles) == [here]
+    assert any(gone in r.getMessage() and "compile for themselves" in r.getMessage() for r in caplog.records)
+    node_dir = ray.get(handles[here].lease.remote("cpu"))
+    assert os.path.isdir(node_dir)
+    assert shutdown_compile_caches("left-out", handles) == 1
+    assert not os.path.exists(node_dir)
+
+
 def test_worker_killed_with_sigkill_restarts_and_loses_no_sample(tmp_path):
     steps = 8
     marker = str(tmp_path / "killed-once")

@@ -173,10 +173,26 @@ def node_compile_cache(run_cache: str, run_name: str, node_id: str | None = None
 
 def start_compile_caches(run_cache: str, run_name: str, node_ids: list[str], handles: dict,
                          timeout_s: float = 60.0) -> None:
-    """Start the run's compile cache actor on each node; the caller keeps ``handles`` until the run ends."""
+    """Start the run's compile cache actor on each node; the caller keeps ``handles`` until the run ends.
+    A node whose actor does not start is left out with a warning (its workers compile, and create the actor
+    themselves if the node comes back): a cache is never worth a run."""
+    def left_out(node: str, e: Exception) -> None:
+        logger.warning("rayzero: no compile cache on node %s (%s); its workers compile for themselves", node, e)
+
+    started = {}
     for node in node_ids:
-        handles[node] = node_compile_cache(run_cache, run_name, node)
-    ray.get([h.info.remote() for h in handles.values()], timeout=timeout_s)
+        try:
+            started[node] = node_compile_cache(run_cache, run_name, node)
+        except Exception as e:  # noqa: BLE001 - a node Ray no longer knows
+            left_out(node, e)
+    for node, handle in started.items():
+        try:
+            ray.get(handle.info.remote(), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - a dead or unreachable node
+            left_out(node, e)
+            ray.kill(handle)
+            continue
+        handles[node] = handle
 
 
 def shutdown_compile_caches(run_name: str, handles: dict | None = None, timeout_s: float = 120.0) -> int:

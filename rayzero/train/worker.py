@@ -131,8 +131,13 @@ def _lease_compile_cache(spec: WorkerSpec, ctx) -> str:
     from rayzero.accelerator import get_accelerator
     from rayzero.train.compile_actor import node_compile_cache
 
-    owner = node_compile_cache(spec.compile_cache, ctx.get_experiment_name(), detached=True)
-    return ray.get(owner.lease.remote(get_accelerator().name), timeout=600)
+    try:
+        owner = node_compile_cache(spec.compile_cache, ctx.get_experiment_name(), detached=True)
+        return ray.get(owner.lease.remote(get_accelerator().name), timeout=600)
+    except Exception as e:  # noqa: BLE001 - no node actor: read and write the run's cache directly
+        logging.getLogger("rayzero").warning(
+            "rayzero: this node's compile cache is unavailable (%s); using the run's %s directly", e, spec.compile_cache)
+        return spec.compile_cache
 
 
 def _train(spec: WorkerSpec) -> dict:
