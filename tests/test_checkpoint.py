@@ -129,6 +129,59 @@ def test_corrupt_fragment_and_truncated_manifest_give_clear_errors(tmp_path):
     engine.destroy()
 
 
+def test_load_reads_fragments_into_the_optimizers_own_tensors_and_checks_every_piece(tmp_path):
+    from rayzero.checkpoint.format import READ_PIECE, FragmentFile
+    from rayzero.checkpoint.reader import FragmentIndex, read_manifest
+    from rayzero.checkpoint.storage import Storage
+
+    torch.manual_seed(0)
+    # 3 MiB-element weights: each fragment spans several pread pieces
+    model = torch.nn.Sequential(torch.nn.Linear(1536, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 3))
+    engine = rayzero.initialize(model, {"zero_optimization": {"stage": 2}})
+    engine.backward(engine(torch.randn(4, 1536)).pow(2).mean())
+    engine.step()
+    tag = engine.save_checkpoint(str(tmp_path))
+    master = engine.partitions.groups[0].master
+    state = engine.optimizer.state[master]
+    saved = {"fp32": master.clone(), **{k: v.clone() for k, v in state.items() if torch.is_tensor(v)}}
+    tensors = {k: state[k] for k in ("exp_avg", "exp_avg_sq")}
+    with torch.no_grad():  # a second step, then back
+        master.add_(1.0)
+        for t in tensors.values():
+            t.mul_(3.0)
+    engine.load_checkpoint(str(tmp_path))
+    state = engine.optimizer.state[master]
+    for k, t in tensors.items():
+        assert state[k] is t  # read in place: the optimizer keeps its tensor
+        assert torch.equal(t, saved[k])
+    assert torch.equal(master, saved["fp32"])
+    assert state["step"] == saved["step"]
+
+    # the direct read gives the bytes the mapped read gives, and checks the hash of every piece
+    storage = Storage.resolve(str(tmp_path))
+    index = FragmentIndex(storage, tag, read_manifest(storage, tag))
+    ff = index.files["rank_00000.arrow"]
+    big = max(range(len(ff.index)), key=lambda i: ff.index[i]["end"] - ff.index[i]["start"])
+    entry = ff.index[big]
+    assert (entry["end"] - entry["start"]) * 4 > 2 * READ_PIECE
+    out = torch.empty(entry["end"] - entry["start"], dtype=torch.float32)
+    assert ff.read_into(big, out)
+    assert torch.equal(out, ff.read(big))
+    # a flipped byte in the last piece of that fragment
+    path = tmp_path / tag / "rank_00000.arrow"
+    data, lo, hi = ff._data(big)
+    at = data.address - ff._map_address() + hi - 5
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x01
+    path.write_bytes(bytes(raw))
+    fresh = FragmentFile("rank_00000.arrow", storage.open_random_access(str(path)), str(path))
+    with pytest.raises(ChecksumError, match=f"fragment {entry['param']}/{entry['state']}"):
+        fresh.read_into(big, out)
+    with pytest.raises(ChecksumError):
+        fresh.read(big)
+    engine.destroy()
+
+
 def test_other_model_lists_missing_unexpected_and_misshaped_names(tmp_path):
     engine = _small_engine()
     engine.save_checkpoint(str(tmp_path))

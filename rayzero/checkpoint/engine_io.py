@@ -469,8 +469,7 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
             if st is not None:
                 torch_state[gi] = {k: swap.placeholder if k in flats else v for k, v in st.items()}
             continue
-        new = torch.empty_like if complete else torch.zeros_like
-        flats = {name: new(g.master) for name in names}
+        flats = {name: _state_buffer(engine, g, name, complete) for name in names}
         st = _load_group(engine, index, g, group, flats, loadable, saved_params, saved_group_of, same_optimizer)
         if st is not None:
             torch_state[gi] = st
@@ -489,6 +488,17 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
     _load_whole(engine, index, manifest, strict)
     _load_counters(engine, manifest)
     return manifest.get("client_state"), problems
+
+
+def _state_buffer(engine: "Engine", g, name: str, complete: bool) -> torch.Tensor:
+    """Where group ``g``'s optimizer state ``name`` is read into: the tensor the optimizer already keeps
+    for it, when it has one like the master (the load overwrites it in place: no fresh memory to fault in,
+    and the optimizer keeps the same tensor), else a new one; zeroed first unless every element is loaded."""
+    t = engine.optimizer.state.get(g.master, {}).get(name)
+    if not (torch.is_tensor(t) and t.shape == g.master.shape and t.dtype == g.master.dtype
+            and t.device == g.master.device and t.is_contiguous()):
+        return torch.empty_like(g.master) if complete else torch.zeros_like(g.master)
+    return t if complete else t.zero_()
 
 
 def _load_group(engine: "Engine", index: FragmentIndex, g, group: dict, flats: dict[str, torch.Tensor],

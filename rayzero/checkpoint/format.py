@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
@@ -166,11 +167,21 @@ def _batch(schema: pa.Schema, entry: dict, raw: np.ndarray) -> pa.RecordBatch:
     )
 
 
-class FragmentFile:
-    """Random access to one rank's fragment file; reads a fragment's bytes only when asked."""
+# direct reads go in pieces this large: each is hashed while it is still in the CPU's cache
+READ_PIECE = 2 << 20
 
-    def __init__(self, name: str, source):
+
+class FragmentFile:
+    """Random access to one rank's fragment file; reads a fragment's bytes only when asked.
+
+    ``path``: the file on local disk (with ``source`` its memory map).  Then :meth:`read_into` reads a
+    fragment with ``pread`` straight into the tensor it belongs in, hashing each piece as it arrives,
+    instead of copying it out of the map after a separate hashing pass."""
+
+    def __init__(self, name: str, source, path: str | None = None):
         self.name = name
+        self.source, self.path = source, path
+        self._base: int | None = None  # address of the map's first byte
         try:
             self.reader = pa.ipc.open_file(source)
             meta = self.reader.schema.metadata or {}
@@ -184,20 +195,28 @@ class FragmentFile:
             raise ChecksumError(f"fragment file {name}: index lists {len(self.index)} fragments, file holds "
                                 f"{self.reader.num_record_batches}; the file is corrupt")
 
-    def read(self, i: int) -> torch.Tensor:
-        entry = self.index[i]
+    def _data(self, i: int):
+        """Fragment ``i``'s data buffer and the byte range of its bytes in it (metadata only: no data read)."""
         try:
             column = self.reader.get_batch(i).column("data")
             _, offsets, data = column.buffers()
             lo, hi = np.frombuffer(offsets, dtype=np.int64)[:2]
-            raw = np.frombuffer(data, dtype=np.uint8)[lo:hi]
         except (pa.ArrowInvalid, OSError, ValueError) as e:
             raise ChecksumError(f"fragment file {self.name}: fragment {i} unreadable ({e})") from None
+        return data, int(lo), int(hi)
+
+    def _corrupt(self, entry: dict) -> "ChecksumError":
+        return ChecksumError(
+            f"checksum mismatch in {self.name}: fragment {entry['param']}/{entry['state']} "
+            f"[{entry['start']}, {entry['end']}) is corrupt; restore the file or load an earlier checkpoint"
+        )
+
+    def read(self, i: int) -> torch.Tensor:
+        entry = self.index[i]
+        data, lo, hi = self._data(i)
+        raw = np.frombuffer(data, dtype=np.uint8)[lo:hi]
         if xxhash.xxh3_64_intdigest(raw) != entry["xxh3"]:
-            raise ChecksumError(
-                f"checksum mismatch in {self.name}: fragment {entry['param']}/{entry['state']} "
-                f"[{entry['start']}, {entry['end']}) is corrupt; restore the file or load an earlier checkpoint"
-            )
+            raise self._corrupt(entry)
         dtype = dtype_from_name(entry["dtype"])
         if raw.nbytes == 0:
             return torch.empty(0, dtype=dtype)
@@ -205,6 +224,62 @@ class FragmentFile:
             warnings.simplefilter("ignore", UserWarning)
             t = torch.frombuffer(raw, dtype=torch.uint8)
         return t.view(dtype)
+
+    def read_into(self, i: int, out: torch.Tensor) -> bool:
+        """Read all of fragment ``i`` into ``out`` (a contiguous host tensor of its dtype and length) with
+        ``pread``, verifying its hash piece by piece as it reads; False where that cannot be done (not a
+        local file, another dtype or device), and the caller copies through :meth:`read` instead.  On a
+        hash mismatch ``out`` holds the corrupt bytes and ChecksumError is raised."""
+        entry = self.index[i]
+        if (self.path is None or out.device.type != "cpu" or not out.is_contiguous()
+                or out.dtype != dtype_from_name(entry["dtype"]) or out.numel() != entry["end"] - entry["start"]):
+            return False
+        data, lo, hi = self._data(i)
+        nbytes = hi - lo
+        if nbytes != out.numel() * out.element_size():
+            raise ChecksumError(f"fragment file {self.name}: fragment {i} holds {nbytes} bytes, its index says "
+                                f"{out.numel()} elements of {entry['dtype']}; the file is corrupt")
+        if self._base is None:
+            self._base = self._map_address()
+            if self._base is None:
+                self.path = None
+                return False
+        offset = data.address - self._base + lo
+        if nbytes == 0:
+            if xxhash.xxh3_64_intdigest(b"") != entry["xxh3"]:
+                raise self._corrupt(entry)
+            return True
+        view = memoryview(out.detach().view(torch.uint8).numpy())
+        digest = xxhash.xxh3_64()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)  # start reading ahead of us
+            at = 0
+            while at < nbytes:
+                piece = view[at : min(at + READ_PIECE, nbytes)]
+                got = os.preadv(fd, [piece], offset + at)
+                if got <= 0:
+                    raise ChecksumError(f"fragment file {self.name}: fragment {i} ends early (at byte "
+                                        f"{offset + at}); the file is truncated")
+                digest.update(piece[:got])
+                at += got
+        finally:
+            os.close(fd)
+        if digest.intdigest() != entry["xxh3"]:
+            raise self._corrupt(entry)
+        return True
+
+    def _map_address(self) -> int | None:
+        """The address of the memory map's first byte (None: the source is not a memory map)."""
+        source = self.source
+        if not isinstance(source, pa.MemoryMappedFile):
+            return None
+        at = source.tell()
+        try:
+            source.seek(0)
+            return source.read_buffer(1).address
+        finally:
+            source.seek(at)
 
 
 def parse_manifest(data: bytes, where: str) -> dict:

@@ -53,7 +53,7 @@ class FragmentIndex:
                     f"{info['file']} in checkpoint {tag!r} is {size} bytes, the manifest says {info['size']}: "
                     "the file is truncated or was replaced"
                 )
-            ff = FragmentFile(info["file"], storage.open_random_access(path))
+            ff = FragmentFile(info["file"], storage.open_random_access(path), path if storage.local else None)
             self.files[info["file"]] = ff
             for i, entry in enumerate(ff.index):
                 self.where.setdefault((entry["param"], entry["state"]), []).append(
@@ -67,8 +67,11 @@ class FragmentIndex:
             a, b = max(start, lo), min(end, hi)
             if a >= b:
                 continue
-            data = self.files[file].read(i)
-            out[a - lo : b - lo].copy_(data[a - start : b - start])
+            ff = self.files[file]
+            # a whole fragment goes straight into its place (hashed as it is read); a part of one (another
+            # world size or stage) is copied out of the verified fragment
+            if not ((a, b) == (start, end) and ff.read_into(i, out[a - lo : b - lo])):
+                out[a - lo : b - lo].copy_(ff.read(i)[a - start : b - start])
             pieces.append((a, b))
         # the pieces must tile [lo, hi) exactly: overlaps could otherwise hide a gap
         pieces.sort()

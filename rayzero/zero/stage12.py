@@ -303,6 +303,28 @@ class WeightPublisher:
         if current:
             self.buckets.append((owner, current))
 
+        # send and receive buffers of the packed buckets, kept from one step to the next (a fresh one costs
+        # a page fault per 4 KiB page on every step); at most MAX_INFLIGHT + 1 of each are in use at once
+        self._free_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _direct(self, g: GroupPartition, members) -> bool:
+        """A bucket of one parameter whose shards tile it exactly is gathered straight into it: the
+        parameter's storage viewed as ``(world, chunk)`` is the all-gather's output."""
+        if len(members) != 1:
+            return False
+        e, p = members[0]
+        return e.numel == e.chunk * g.world and p.data.is_contiguous() and p.dtype == self.compute_dtype
+
+    def _buffers(self, world: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        need = max(world * cols, 1)
+        for i, (send, recv) in enumerate(self._free_buffers):
+            if recv.numel() >= need:
+                return self._free_buffers.pop(i)
+        big = max([world * sum(e.chunk for e, _ in m) for g, m in self.buckets if not self._direct(g, m)] + [need])
+        device = self.partitions.device
+        return (torch.empty(big, dtype=self.compute_dtype, device=device),
+                torch.empty(big, dtype=self.compute_dtype, device=device))
+
     @torch.no_grad()
     def publish(self) -> None:
         device = self.partitions.device
@@ -313,23 +335,35 @@ class WeightPublisher:
                 for e, p in members:
                     p.data.view(-1).copy_(self.partitions.weight_shard(e)[: e.numel])
                 continue
-            cols = sum(e.chunk for e, _ in members)
-            mine = torch.empty(cols, dtype=self.compute_dtype, device=device)
-            col = 0
-            for e, _ in members:
-                mine[col : col + e.chunk].copy_(self.partitions.weight_shard(e))
-                col += e.chunk
-            rows = torch.empty((world, cols), dtype=self.compute_dtype, device=device)
-            inflight.append((members, rows, g.comm.all_gather(rows, mine)))
+            if self._direct(g, members):
+                e, p = members[0]
+                shard = self.partitions.weight_shard(e)
+                if shard.dtype != self.compute_dtype or shard.device != p.device or not shard.is_contiguous():
+                    shard = shard.to(device=p.device, dtype=self.compute_dtype)
+                handle = g.comm.all_gather(p.data.view(world, e.chunk), shard)
+                inflight.append((None, None, None, handle))
+            else:
+                cols = sum(e.chunk for e, _ in members)
+                buffers = self._buffers(world, cols)
+                mine, rows = buffers[0][:cols], buffers[1][: world * cols].view(world, cols)
+                col = 0
+                for e, _ in members:
+                    mine[col : col + e.chunk].copy_(self.partitions.weight_shard(e))
+                    col += e.chunk
+                inflight.append((members, rows, buffers, g.comm.all_gather(rows, mine)))
             while len(inflight) > self.MAX_INFLIGHT:
                 self._unpack(*inflight.pop(0))
         while inflight:
             self._unpack(*inflight.pop(0))
 
-    @staticmethod
-    def _unpack(members, rows: torch.Tensor, handle: Handle) -> None:
+    def _unpack(self, members, rows: torch.Tensor | None, buffers, handle: Handle) -> None:
         handle.wait()
+        if members is None:  # gathered straight into the parameter
+            return
         col = 0
         for e, p in members:
             copy_from_rows(p.data.view(-1), rows, col, e.chunk)
             col += e.chunk
+        self._free_buffers.append(buffers)
+
+
