@@ -182,7 +182,11 @@ class ZeroConfig(_Section):
     allgather_bucket_size: int | None = None
     overlap_comm: bool = True
     contiguous_gradients: bool = True
-    stage3_prefetch_bucket_size: int = 50_000_000
+    # None: two of the largest gather units (stage3.py); 0 turns prefetching off
+    stage3_prefetch_bucket_size: int | None = None
+    # "auto" (marked modules, HF _no_split_modules, else the repeated block), "module", or class names
+    # separated by commas ("LlamaDecoderLayer")
+    stage3_gather_unit: str = "auto"
     stage3_param_persistence_threshold: int = 100_000
     # None: 1e9 elements, or with NVMe optimizer offload 1/16 of the rank's partition (offload/optimizer.py)
     sub_group_size: int | None = None
@@ -214,11 +218,14 @@ class ZeroConfig(_Section):
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             value = getattr(self, key)
             self._check(key, value is None or value > 0, "must be > 0 elements (or left out for rayzero's choice)")
-        self._check("stage3_prefetch_bucket_size", self.stage3_prefetch_bucket_size >= 0,
-                    "must be >= 0 elements (0 turns prefetch off)")
-        self._check("stage3_param_persistence_threshold", self.stage3_param_persistence_threshold >= 0,
-                    "must be >= 0 elements")
-
+        self._check("stage3_prefetch_bucket_size",
+                    self.stage3_prefetch_bucket_size is None or self.stage3_prefetch_bucket_size >= 0,
+                    "must be >= 0 elements (0 turns prefetch off; leave it out for two gather units)")
+        names = [c.strip() for c in self.stage3_gather_unit.split(",")]
+        self._check("stage3_gather_unit",
+                    self.stage3_gather_unit in ("auto", "module") or all(c.isidentifier() for c in names),
+                    '"auto", "module", or module class names separated by commas (such as '
+                    '"LlamaDecoderLayer")')
 
 @dataclass
 class OptimizerConfig(_Section):

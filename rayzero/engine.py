@@ -168,8 +168,10 @@ class Engine:
                 self.partitions,
                 self.compute_dtype,
                 z.stage3_param_persistence_threshold,
-                prefetch=z.overlap_comm and z.stage3_prefetch_bucket_size > 0,
+                prefetch=z.overlap_comm and z.stage3_prefetch_bucket_size != 0,
                 accelerator=self.accelerator,
+                unit_rule=z.stage3_gather_unit,
+                prefetch_elements=z.stage3_prefetch_bucket_size,
             )
         self.buckets = engine_bucket_plan(model, self.partitions, self.parallel.dp, cfg, self.rank)
         self.reducer = GradientReducer(

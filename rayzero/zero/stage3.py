@@ -1,8 +1,12 @@
 """ZeRO stage 3: parameters live only as fp32 shards in the master partition between uses.
 
-Each module that directly owns partitioned parameters is a *unit*.  A unit's parameters are gathered (all-
-gather of the ranks' shards, cast to the compute dtype on the way out) just before its forward and again
-just before its backward, and released right after.  A released parameter's ``data`` is an empty
+Parameters are gathered per *unit* (``zero_optimization.stage3_gather_unit``): by default the model's
+repeated block (a module the user marked with :func:`mark_gather_unit`, else HF's ``_no_split_modules``,
+else the module class that repeats over most of the model: ``repeated_block``), so one transformer layer
+is one gather, and each module outside every block that directly owns partitioned parameters is a unit of
+its own (``"module"``: every such module is a unit, the leaf-module gathering of before).  A unit's
+parameters are gathered (all-gather of the ranks' shards, cast to the compute dtype on the way out) just
+before its forward and again just before its backward, and released right after.  A released parameter's ``data`` is an empty
 placeholder (any use outside its module's forward fails loudly instead of reading freed memory).
 
 Each managed parameter owns one storage for its whole (padded) value, which is the only place it is ever
@@ -14,9 +18,12 @@ storage emptied in place they hold nothing in between, and the backward's gather
 they view.  The parameter itself never points at an emptied storage (its ``data`` is the placeholder
 then), so a stray use raises instead of reading a null pointer.
 
-While one unit runs, the next unit's gather is already in flight (forward order, recorded on the first
-forward, and its reverse in backward).  Parameters at or under ``stage3_param_persistence_threshold``
-elements stay whole on every rank and are refreshed after each step like stage 1/2 weights.
+While one unit runs, the gathers of the units after it are already in flight (forward order, recorded on
+the first forward, and its reverse in backward): as many units ahead as fit in ``stage3_prefetch_bucket_size``
+elements, and always the next one.  A unit gathered ahead that the pass then goes past without using (a
+forward that skipped it) is released as soon as the pass is beyond it.  Parameters at or under
+``stage3_param_persistence_threshold`` elements stay whole on every rank and are refreshed after each step
+like stage 1/2 weights.
 """
 
 from __future__ import annotations
@@ -32,10 +39,82 @@ from rayzero.offload.staging import HostStaging
 from rayzero.zero.partition import Partitions
 
 
+GATHER_UNIT_ATTR = "_rayzero_gather_unit"
+
+
+def mark_gather_unit(*modules: torch.nn.Module) -> None:
+    """Make each of ``modules`` one stage-3 gather unit: all partitioned parameters under it are gathered
+    together before its forward (and its backward) and released after.  Marks win over every other rule of
+    ``stage3_gather_unit: "auto"``."""
+    for m in modules:
+        setattr(m, GATHER_UNIT_ATTR, True)
+
+
+def unit_modules(model: torch.nn.Module, rule, numel) -> list[torch.nn.Module]:
+    """The modules whose whole subtree is one gather unit under ``rule`` (outermost first; see the module
+    docstring): ``"auto"``, ``"module"`` or class names separated by commas."""
+    if rule == "module":
+        return []
+    if rule == "auto":
+        marked = [m for m in model.modules() if getattr(m, GATHER_UNIT_ATTR, False)]
+        if marked:
+            return _outermost(model, lambda m: getattr(m, GATHER_UNIT_ATTR, False))
+        block = repeated_block_class(model, numel)
+        if block is None:
+            return []
+        names = {block}
+    else:
+        names = {c.strip() for c in rule.split(",")}
+        present = {type(m).__name__ for m in model.modules()}
+        if not names & present:
+            from rayzero.config import ConfigError
+
+            raise ConfigError(
+                f"config key 'zero_optimization.stage3_gather_unit' = {rule!r} names no module of this model "
+                f"(its module classes: {', '.join(sorted(present))}); name the model's repeated block, or "
+                'write "auto"'
+            )
+    return _outermost(model, lambda m: m is not model and type(m).__name__ in names)
+
+
+def repeated_block_class(model: torch.nn.Module, numel) -> str | None:
+    """The class of the model's repeated block: the first of HF's ``_no_split_modules`` present, else the
+    class, other than the model's own, of two or more instances made of smaller modules (a leaf such as
+    ``Linear`` is not a block) that together hold the most elements, the larger instance on a tie."""
+    sizes: dict[str, list[int]] = {}
+    for m in model.modules():
+        if m is model or not any(True for _ in m.children()):
+            continue
+        n = sum(numel(p) for p in m.parameters())
+        if n:
+            sizes.setdefault(type(m).__name__, []).append(n)
+    present = {type(m).__name__ for m in model.modules()}
+    named = [c for c in (getattr(model, "_no_split_modules", None) or []) if c in present]
+    if named:
+        return named[0]
+    repeated = [(sum(v), max(v), c) for c, v in sizes.items() if len(v) >= 2]
+    return max(repeated)[2] if repeated else None
+
+
+def _outermost(model: torch.nn.Module, chosen) -> list[torch.nn.Module]:
+    out: list[torch.nn.Module] = []
+
+    def walk(m: torch.nn.Module) -> None:
+        if chosen(m):
+            out.append(m)
+            return
+        for child in m.children():
+            walk(child)
+
+    walk(model)
+    return out
+
+
 @dataclass(eq=False)
 class Unit:
     module: torch.nn.Module
     params: list[torch.nn.Parameter]
+    numel: int = 0  # elements gathered (the sum of the parameters' padded sizes)
     index: int = -1  # position in the recorded forward order
     hooks: list = field(default_factory=list)
 
@@ -49,10 +128,14 @@ class ParamGatherer:
         persistence_threshold: int,
         prefetch: bool = True,
         accelerator=None,
+        unit_rule="module",
+        prefetch_elements: int | None = None,
     ):
         self.partitions = partitions
         self.compute_dtype = compute_dtype
         self.prefetch = prefetch
+        self.unused_prefetches = 0  # units gathered ahead that the pass went past without using
+        self.max_ahead = 0  # the most units in flight ahead of the running one (for tests and the bench)
         # host shards (offloaded masters and weights, swap reads) reach the device through one reusable
         # pinned buffer; shards already on the device in the compute dtype are sent as they are
         self.staging = HostStaging(partitions.device, compute_dtype, accelerator)
@@ -75,16 +158,24 @@ class ParamGatherer:
         self.inflight: dict[int, list[tuple[Handle, torch.Tensor, list, dict | None]]] = {}
         self.units: list[Unit] = []
         units_of: dict[torch.nn.Parameter, int] = {}
-        for m in module.modules():
-            own = [p for p in m._parameters.values() if p is not None and p in self.managed_set]
-            own = list(dict.fromkeys(own))
+        blocks = unit_modules(module, unit_rule, lambda p: partitions.entry_of[p].numel
+                              if p in partitions.entry_of else p.numel())
+        in_block = {id(sub) for b in blocks for sub in b.modules()}
+        owners = [(b, b.parameters()) for b in blocks]
+        owners += [(m, m._parameters.values()) for m in module.modules() if id(m) not in in_block]
+        for m, params_of in owners:
+            own = list(dict.fromkeys(p for p in params_of if p is not None and p in self.managed_set))
             if own:
                 for p in own:
                     units_of[p] = units_of.get(p, 0) + 1
-                unit = Unit(m, own)
+                unit = Unit(m, own, sum(partitions.entry_of[p].padded_numel for p in own))
                 unit.hooks.append(m.register_forward_pre_hook(self._make_pre_forward(unit)))
                 unit.hooks.append(m.register_forward_hook(self._make_post_forward(unit)))
                 self.units.append(unit)
+        # how far ahead to gather: units while their elements fit (None: two of the largest units)
+        largest = max((u.numel for u in self.units), default=0)
+        self.prefetch_elements = 2 * largest if prefetch_elements is None else prefetch_elements
+        self.ahead: dict[int, Unit] = {}  # units gathered ahead, not used yet
         # a parameter of one unit only may be all-gathered straight into its own storage; one shared by
         # several units (tied weights) could be in flight for two of them at once, so it goes through a
         # unit's own receive buffer
@@ -110,10 +201,11 @@ class ParamGatherer:
         self._storage[p].resize_(0)
 
     # ---- gathering -------------------------------------------------------------------------------------
-    def _launch(self, unit: Unit) -> None:
+    def _launch(self, unit: Unit) -> bool:
+        """Start gathering ``unit``'s parameters that are not gathered yet; False when there is nothing to start."""
         members = [p for p in unit.params if p not in self.gathered]
         if not members or id(unit) in self.inflight:
-            return
+            return False
         # one gather per communicator: partition groups over the same ranks (a user's decay / no-decay
         # groups) share it
         by_comm: dict[int, tuple] = {}
@@ -141,6 +233,7 @@ class ParamGatherer:
             rows = torch.empty((g.world, cols), dtype=self.compute_dtype, device=self.partitions.device)
             launched.append((g.comm.all_gather(rows, mine), rows, params, col_of))
         self.inflight[id(unit)] = launched
+        return True
 
     def _complete(self, unit: Unit) -> None:
         for handle, rows, members, col_of in self.inflight.pop(id(unit), []):
@@ -158,11 +251,44 @@ class ParamGatherer:
                 self.gathered.add(p)
 
     @torch.no_grad()
-    def gather(self, unit: Unit, prefetch_next: Unit | None = None) -> None:
+    def gather(self, unit: Unit, direction: int = 0) -> None:
+        """Gather ``unit`` (and, ``direction`` +1 in forward, -1 in backward, the units after it in the
+        recorded order, as far as the prefetch budget goes)."""
+        self.ahead.pop(id(unit), None)
         self._launch(unit)
-        if prefetch_next is not None and self.prefetch:
-            self._launch(prefetch_next)
+        if direction and self.prefetch and not self.recording and unit.index >= 0:
+            self._drop_passed(unit.index, direction)
+            self._prefetch(unit.index, direction)
         self._complete(unit)
+
+    def _prefetch(self, index: int, direction: int) -> None:
+        ahead, count, i = 0, 0, index + direction
+        while 0 <= i < len(self.order):
+            u = self.order[i]
+            if count and ahead + u.numel > self.prefetch_elements:
+                break
+            if self._launch(u):
+                self.ahead[id(u)] = u
+            ahead, count, i = ahead + u.numel, count + 1, i + direction
+        self.max_ahead = max(self.max_ahead, len(self.ahead))
+
+    def _drop_passed(self, index: int, direction: int) -> None:
+        """Release the units gathered ahead that this pass has gone past without using them."""
+        for uid, u in list(self.ahead.items()):
+            if (u.index - index) * direction < 0:
+                del self.ahead[uid]
+                self._settle(uid)
+                self.unused_prefetches += 1
+
+    def _settle(self, uid: int) -> None:
+        """Wait for a unit's gathers in flight without using them: what they received straight into a
+        parameter's storage is freed again (a packed receive buffer just goes)."""
+        for handle, _, members, col_of in self.inflight.pop(uid, []):
+            handle.wait()
+            if col_of is None:
+                for p in members:
+                    if p not in self.gathered:  # (one gathered meanwhile through another unit stays)
+                        self._free(p)
 
     def release(self, params) -> None:
         for p in params:
@@ -172,13 +298,9 @@ class ParamGatherer:
 
     def release_all(self) -> None:
         """End of a backward (or of an aborted step): settle prefetches and free every gathered parameter."""
+        self.ahead.clear()
         for uid in list(self.inflight):
-            for handle, _, members, col_of in self.inflight.pop(uid):
-                handle.wait()
-                if col_of is None:  # received straight into a parameter's storage that was never used
-                    for p in members:
-                        if p not in self.gathered:
-                            self._free(p)
+            self._settle(uid)
         # the step may rewrite host partitions next: no copy to the device may still read them
         self.staging.synchronize()
         self.release(list(self.gathered))
@@ -189,18 +311,12 @@ class ParamGatherer:
             self.release([p])
 
     # ---- hooks -----------------------------------------------------------------------------------------
-    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
-        if self.recording or unit.index < 0:
-            return None
-        i = unit.index + step
-        return self.order[i] if 0 <= i < len(self.order) else None
-
     def _make_pre_forward(self, unit: Unit):
         def hook(module, args):
             if self.recording and torch.is_grad_enabled() and unit.index < 0:
                 unit.index = len(self.order)
                 self.order.append(unit)
-            self.gather(unit, self._neighbour(unit, +1))
+            self.gather(unit, +1)
 
         return hook
 
@@ -211,7 +327,7 @@ class ParamGatherer:
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
                     torch.autograd.graph.register_multi_grad_hook(
-                        tensors, lambda grads: self.gather(unit, self._neighbour(unit, -1)), mode="any"
+                        tensors, lambda grads: self.gather(unit, -1), mode="any"
                     )
             return None
 
