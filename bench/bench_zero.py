@@ -295,10 +295,12 @@ def zero_config(a, world: int, stage: int, defaults: bool = False) -> dict:
     }
 
 
-def setup_rayzero(model, a, world, stage: int, defaults: bool = False, capture: list | None = None):
+def setup_rayzero(model, a, world, stage: int, defaults: bool = False, capture: list | None = None,
+                  zero: dict | None = None):
     import rayzero
 
     cfg = zero_config(a, world, stage, defaults)
+    cfg["zero_optimization"].update(zero or {})
     if capture:
         cfg["graph_capture"] = {"enabled": True, "targets": capture}
     engine = rayzero.initialize(model, cfg)
@@ -398,6 +400,9 @@ def system_specs(world: int, memory: bool = False) -> list[dict]:
                               theory_stage=s, defaults=True))
     specs.append(dict(name="rayzero stage 3, zero_init", kind="rayzero", world=world, stage=3, theory_stage=3,
                       zero_init=True))
+    if not memory:  # config defaults, but gathering leaf module by leaf module instead of block by block
+        specs.append(dict(name="rayzero stage 3, config defaults, leaf units", kind="rayzero", world=world, stage=3,
+                          theory_stage=3, defaults=True, zero={"stage3_gather_unit": "module"}))
     if not memory:  # the same config defaults with "graph_capture" on (compiled during the warm-up steps)
         for s in (1, 2, 3):
             specs.append(dict(name=f"rayzero stage {s}, graph capture", kind="rayzero", world=world, stage=s,
@@ -423,7 +428,8 @@ def setup_system(spec, model, a, world):
     if kind == "fsdp2":
         return setup_fsdp2(model, a, world, spec["raf"])
     if kind == "rayzero":
-        return setup_rayzero(model, a, world, spec["stage"], spec.get("defaults", False), spec.get("capture"))
+        return setup_rayzero(model, a, world, spec["stage"], spec.get("defaults", False), spec.get("capture"),
+                             spec.get("zero"))
     if kind == "deepspeed":
         return setup_deepspeed(model, a, world, spec["stage"])
     raise ValueError(kind)

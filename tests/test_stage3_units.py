@@ -111,6 +111,10 @@ def train(rank: int, world: int, cases: list[dict]) -> list[dict]:
             if step == SKIP_AT:  # after the forward: the skipped block holds no gathered storage
                 freed_after_skip = all(g._storage[p].nbytes() == 0 for p in model.blocks[2].parameters()
                                        if p in g.managed_set)
+            if step == STEPS - 1:  # after the last forward: the units left gathered for the backward
+                names = {id(m): n for n, m in model.named_modules()}
+                kept = sorted(names[id(u.module)] for u in g.units
+                              if all(g._storage[p].nbytes() > 0 for p in u.params))
             engine.backward(loss)
             engine.step()
             losses.append(global_mean(loss))
@@ -118,7 +122,7 @@ def train(rank: int, world: int, cases: list[dict]) -> list[dict]:
         state = engine.full_state_dict()
         out.append({"losses": losses, "norms": norms, "state": state if rank == 0 else None,
                     "units": unit_names(model, engine), "max_ahead": g.max_ahead,
-                    "unused": g.unused_prefetches, "freed_after_skip": freed_after_skip,
+                    "unused": g.unused_prefetches, "freed_after_skip": freed_after_skip, "kept": kept,
                     "order": len(g.order), "budget": g.prefetch_elements,
                     "largest": max(u.numel for u in g.units)})
         engine.destroy()
@@ -150,6 +154,14 @@ def test_prefetch_looks_as_far_ahead_as_the_bucket_allows(runs):
     assert auto["max_ahead"] == 2
     assert off["max_ahead"] == 0 and off["unused"] == 0
     assert everything["max_ahead"] == everything["order"] - 1  # every other unit of the pass
+
+
+def test_the_last_units_of_a_forward_stay_gathered_for_its_backward(runs):
+    auto, leaf, off, everything = runs
+    assert auto["kept"] == ["blocks.3", "head"]  # within two blocks' worth of elements from the end
+    assert off["kept"] == []
+    assert everything["kept"] == auto["units"]  # a budget of the whole model keeps it all through the turn
+    assert leaf["kept"] and all(n.startswith(("head", "blocks.3")) for n in leaf["kept"])
 
 
 def test_a_prefetch_the_forward_never_uses_is_released(runs):

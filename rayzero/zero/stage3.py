@@ -21,7 +21,8 @@ then), so a stray use raises instead of reading a null pointer.
 While one unit runs, the gathers of the units after it are already in flight (forward order, recorded on
 the first forward, and its reverse in backward): as many units ahead as fit in ``stage3_prefetch_bucket_size``
 elements, and always the next one.  A unit gathered ahead that the pass then goes past without using (a
-forward that skipped it) is released as soon as the pass is beyond it.  Parameters at or under
+forward that skipped it) is released as soon as the pass is beyond it.  The last units of a forward, as
+many as fit in the same budget, stay gathered for the backward that starts with them.  Parameters at or under
 ``stage3_param_persistence_threshold`` elements stay whole on every rank and are refreshed after each step
 like stage 1/2 weights.
 """
@@ -40,6 +41,9 @@ from rayzero.zero.partition import Partitions
 
 
 GATHER_UNIT_ATTR = "_rayzero_gather_unit"
+# a parameter of at least this many (padded) elements is gathered on its own, straight into its storage;
+# smaller ones of a unit share one packed gather (one collective's latency for all of them)
+DIRECT_GATHER_NUMEL = 1 << 18
 
 
 def mark_gather_unit(*modules: torch.nn.Module) -> None:
@@ -176,6 +180,7 @@ class ParamGatherer:
         largest = max((u.numel for u in self.units), default=0)
         self.prefetch_elements = 2 * largest if prefetch_elements is None else prefetch_elements
         self.ahead: dict[int, Unit] = {}  # units gathered ahead, not used yet
+        self.kept_for_backward: set[int] = set()  # units a forward leaves gathered (end_first_step)
         # a parameter of one unit only may be all-gathered straight into its own storage; one shared by
         # several units (tied weights) could be in flight for two of them at once, so it goes through a
         # unit's own receive buffer
@@ -216,13 +221,18 @@ class ParamGatherer:
         self.partitions.prefetch_weights([self.partitions.entry_of[p] for p in members])
         launched = []
         for g, params in by_comm.values():
-            if len(params) == 1 and params[0] not in self._shared:
-                # straight into the parameter's own storage: no receive buffer, no copy
-                p = params[0]
+            # large parameters of this unit alone go straight into their own storage (no receive buffer,
+            # no copy); the small ones, and any shared with another unit, are packed into one gather
+            direct = [p for p in params if p not in self._shared
+                      and (len(params) == 1 or self.partitions.entry_of[p].padded_numel >= DIRECT_GATHER_NUMEL)]
+            for p in direct:
                 # (the shard itself when it is already in the compute dtype and device: no copy)
                 mine = self.staging.to_device(self.partitions.weight_shard(self.partitions.entry_of[p]))
                 rows = self._whole(p)
-                launched.append((g.comm.all_gather(rows, mine), rows, params, None))
+                launched.append((g.comm.all_gather(rows, mine), rows, [p], None))
+            direct_ids = {id(p) for p in direct}
+            params = [p for p in params if id(p) not in direct_ids]
+            if not params:
                 continue
             col_of, cols = {}, 0
             for p in params:
@@ -322,7 +332,10 @@ class ParamGatherer:
 
     def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
-            self.release(unit.params)
+            # the last units of a forward are the first of its backward: those within the prefetch budget
+            # stay gathered for it instead of being released and gathered again at once
+            if not (torch.is_grad_enabled() and id(unit) in self.kept_for_backward):
+                self.release(unit.params)
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
                 if tensors:
@@ -335,8 +348,17 @@ class ParamGatherer:
 
     def end_first_step(self) -> None:
         """The forward order seen so far is the order to prefetch in from now on."""
-        if self.order:
+        if self.order and self.recording:
             self.recording = False
+            kept, total = set(), 0
+            for u in reversed(self.order if self.prefetch else []):
+                if kept and total + u.numel > self.prefetch_elements:
+                    break
+                if u.numel > self.prefetch_elements:  # (a budget smaller than the last unit keeps nothing)
+                    break
+                kept.add(id(u))
+                total += u.numel
+            self.kept_for_backward = kept
 
     def remove_hooks(self) -> None:
         self.release_all()
