@@ -316,14 +316,17 @@ class WeightPublisher:
         return e.numel == e.chunk * g.world and p.data.is_contiguous() and p.dtype == self.compute_dtype
 
     def _buffers(self, world: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-        need = max(world * cols, 1)
+        """A free (send, receive) pair for a packed bucket of ``cols`` columns over ``world`` ranks; a new
+        pair is sized for the largest packed bucket, so any pair serves any bucket of the same world."""
         for i, (send, recv) in enumerate(self._free_buffers):
-            if recv.numel() >= need:
+            if send.numel() >= cols and recv.numel() >= world * cols:
                 return self._free_buffers.pop(i)
-        big = max([world * sum(e.chunk for e, _ in m) for g, m in self.buckets if not self._direct(g, m)] + [need])
+        packed = [(g.world, sum(e.chunk for e, _ in m)) for g, m in self.buckets if not self._direct(g, m)]
+        send = max([c for _, c in packed] + [cols, 1])
+        recv = max([w * c for w, c in packed] + [world * cols, 1])
         device = self.partitions.device
-        return (torch.empty(big, dtype=self.compute_dtype, device=device),
-                torch.empty(big, dtype=self.compute_dtype, device=device))
+        return (torch.empty(send, dtype=self.compute_dtype, device=device),
+                torch.empty(recv, dtype=self.compute_dtype, device=device))
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -365,5 +368,3 @@ class WeightPublisher:
             copy_from_rows(p.data.view(-1), rows, col, e.chunk)
             col += e.chunk
         self._free_buffers.append(buffers)
-
-

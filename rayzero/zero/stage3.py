@@ -2,12 +2,13 @@
 
 Parameters are gathered per *unit* (``zero_optimization.stage3_gather_unit``): by default the model's
 repeated block (a module the user marked with :func:`mark_gather_unit`, else HF's ``_no_split_modules``,
-else the module class that repeats over most of the model: ``repeated_block``), so one transformer layer
-is one gather, and each module outside every block that directly owns partitioned parameters is a unit of
-its own (``"module"``: every such module is a unit, the leaf-module gathering of before).  A unit's
-parameters are gathered (all-gather of the ranks' shards, cast to the compute dtype on the way out) just
-before its forward and again just before its backward, and released right after.  A released parameter's ``data`` is an empty
-placeholder (any use outside its module's forward fails loudly instead of reading freed memory).
+else the module class that repeats over most of the model: :func:`repeated_block_class`), so one
+transformer layer is one gather, and each module outside every block that directly owns partitioned
+parameters is a unit of its own (``"module"``: every such module is a unit, one leaf at a time).  A
+unit's parameters are gathered (all-gather of the ranks' shards, cast to the compute dtype on the way out)
+just before its forward and again just before its backward, and released right after.  A released
+parameter's ``data`` is an empty placeholder (any use outside its unit's forward fails loudly instead of
+reading freed memory).
 
 Each managed parameter owns one storage for its whole (padded) value, which is the only place it is ever
 gathered into.  Releasing resizes that storage to 0 bytes; gathering resizes it back and fills it.  This
@@ -22,9 +23,9 @@ While one unit runs, the gathers of the units after it are already in flight (fo
 the first forward, and its reverse in backward): as many units ahead as fit in ``stage3_prefetch_bucket_size``
 elements, and always the next one.  A unit gathered ahead that the pass then goes past without using (a
 forward that skipped it) is released as soon as the pass is beyond it.  The last units of a forward, as
-many as fit in the same budget, stay gathered for the backward that starts with them.  Parameters at or under
-``stage3_param_persistence_threshold`` elements stay whole on every rank and are refreshed after each step
-like stage 1/2 weights.
+many as fit in the same budget, stay gathered for the backward that starts with them.  Parameters at or
+under ``stage3_param_persistence_threshold`` elements stay whole on every rank and are refreshed after
+each step like stage 1/2 weights.
 """
 
 from __future__ import annotations
