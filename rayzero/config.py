@@ -226,6 +226,9 @@ class ZeroConfig(_Section):
                     self.stage3_gather_unit in ("auto", "module") or all(c.isidentifier() for c in names),
                     '"auto", "module", or module class names separated by commas (such as '
                     '"LlamaDecoderLayer")')
+        self._check("stage3_param_persistence_threshold", self.stage3_param_persistence_threshold >= 0,
+                    "must be >= 0 elements")
+
 
 @dataclass
 class OptimizerConfig(_Section):

@@ -597,3 +597,25 @@ def test_offload_paths_must_agree():
     Config.from_any({"zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a/"},
         "offload_param": {"device": "nvme", "nvme_path": "/a"}}})
+
+
+@pytest.mark.parametrize(
+    "zero, key",
+    [
+        ({"stage3_param_persistence_threshold": -1}, "stage3_param_persistence_threshold"),
+        ({"stage3_prefetch_bucket_size": -5}, "stage3_prefetch_bucket_size"),
+        ({"stage3_gather_unit": "blocks please"}, "stage3_gather_unit"),
+        ({"stage3_gather_unit": "Block,"}, "stage3_gather_unit"),
+    ],
+)
+def test_stage3_keys_out_of_range_name_themselves(zero, key):
+    with pytest.raises(ConfigError, match=f"zero_optimization.{key}"):
+        Config.from_any({"zero_optimization": {"stage": 3, **zero}})
+
+
+def test_stage3_gather_keys_defaults_and_names():
+    z = Config.from_any({"zero_optimization": {"stage": 3}}).zero_optimization
+    assert z.stage3_prefetch_bucket_size is None and z.stage3_gather_unit == "auto"
+    z = Config.from_any({"zero_optimization": {"stage": 3, "stage3_gather_unit": "LlamaDecoderLayer, MLP",
+                                               "prefetch_bucket_size": 0}}).zero_optimization
+    assert z.stage3_gather_unit == "LlamaDecoderLayer, MLP" and z.stage3_prefetch_bucket_size == 0
