@@ -249,7 +249,11 @@ def _plain_step(model, opt, clip):
 
 def setup_compute_only(model, a, world):
     # the limit: the fastest AdamW any row runs (torch's fused kernel, rayzero's default), whatever the others
-    # use, so no system can come out faster than the work it does
+    # use, and the host allocator settings rayzero applies on CPU (freed memory kept for reuse), so no
+    # system can come out faster than the work it does
+    from rayzero.accelerator.host_allocator import keep_freed_memory
+
+    keep_freed_memory()
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, fused=True)
     return _plain_step(model, opt, a.clip), lambda: None
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from rayzero.accelerator import get_accelerator
+from rayzero.accelerator.host_allocator import keep_freed_memory
 from rayzero.checkpoint.engine_io import CheckpointIO
 from rayzero.checkpoint.engine_io import load as checkpoint_load
 from rayzero.checkpoint.format import CheckpointError
@@ -67,6 +68,9 @@ class Engine:
         self.config = Config.from_any(config if config is not None else {})
         cfg = self.config
         self.accelerator = get_accelerator()
+        # on CPU, freed step buffers stay in the heap for the next step instead of faulting in afresh
+        # (rayzero/accelerator/host_allocator.py says when this is left alone)
+        self.host_allocator = keep_freed_memory() if self.accelerator.name == "cpu" else None
         if self.accelerator.name != "cpu":
             # the rank's own device before the process group exists (NCCL binds to the current device);
             # a launcher that shows each worker only its own devices makes the index wrap to 0
