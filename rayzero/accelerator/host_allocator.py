@@ -4,8 +4,8 @@ A training step frees and allocates the same large buffers over and over (stage 
 into freshly allocated storage and frees it after use, twice a step). glibc's malloc serves buffers of a
 few MiB from its heap and gives freed memory at the top of the heap back to the kernel once more than its
 trim threshold (twice its dynamic mmap threshold) is free. The next allocation then takes a page fault per
-4 KiB page, and the kernel zeroes each page. On the bench model that is ~23,000 faults and ~45 ms of a
-190 ms stage-3 step on CPU.
+4 KiB page, and the kernel zeroes each page. On the bench model that is ~18,000 faults a stage-3 step
+on CPU (``python bench/bench_faults.py``: 188.5 ms a step with glibc's defaults, 162.8 ms without them).
 
 :func:`keep_freed_memory` raises glibc's trim threshold to 2 GiB and fixes its mmap threshold at the 32 MiB
 maximum, so freed buffers up to 32 MiB stay in the heap and are reused without faulting. The process's
