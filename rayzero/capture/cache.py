@@ -4,8 +4,8 @@ With ``graph_capture.cache_dir`` set, the engine loads ``torch.compiler`` cache 
 set-up (a restarted worker group, or a new node, then reuses the run's compiled kernels), and the first
 rank of each host writes what its process compiled after the first captured step.  Under ``rayzero.fit``
 the directory is the node's own, leased from the run's ``NodeCompileCache`` actor
-(``rayzero/train/compile_actor.py``), which keeps it in step with the run's storage.  The artifacts carry generated code,
-not built kernels: on CPU every process would still build the C++ again, so inductor's own cache
+(``rayzero/train/compile_actor.py``), which keeps it in step with the run's storage.  The artifacts carry
+generated code, not built kernels: on CPU every process would still build the C++ again, so inductor's own cache
 directory (where the built kernels live) goes there too, unless TORCHINDUCTOR_CACHE_DIR is set or the
 directory is a URI (s3://...): there only the artifacts are kept.  The file is named after the torch
 version and the device kind, since artifacts of another torch or device kind do not apply; it is written
@@ -15,6 +15,7 @@ they compile: loading ones that do not match this model costs a little time and 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -39,9 +40,11 @@ def kernel_dir(directory: str, device_kind: str) -> Path:
     return Path(directory) / f"inductor-torch{_torch_version()}-{device_kind}"
 
 
+@functools.lru_cache(maxsize=None)
 def host_key() -> str:
     """What built kernels depend on besides torch and the device kind: the CPU architecture, the Python ABI
-    and the C++ compiler.  Kernels built on one host load on another with the same key."""
+    and the C++ compiler.  Kernels built on one host load on another with the same key.  Worked out once per
+process (it runs the compiler), since the compile cache owner names the archive at every sync."""
     import hashlib
     import platform
     import shutil
@@ -114,7 +117,6 @@ class CompileCache:
         self.storage = Storage.resolve(text if "://" in text else os.path.expanduser(text))
         self.path = cache_file(self.storage.root, device_kind)
         self.location = str(self.path) if self.storage.local else self.storage.join(self.path.name)
-        self.rank = rank
         self.device_kind = device_kind
         self.writer = is_cache_writer(rank)
         self.loaded = 0  # artifacts loaded at set-up

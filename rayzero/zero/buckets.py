@@ -75,25 +75,32 @@ class BucketPlan:
         return f"derived {chosen} elements from {self.why}; set these keys in zero_optimization to override"
 
 
-def repeated_block(model: torch.nn.Module, numel: Callable[[torch.nn.Parameter], int]) -> tuple[str, int] | None:
+def repeated_block(model: torch.nn.Module, numel: Callable[[torch.nn.Parameter], int],
+                   containers_only: bool = False) -> tuple[str, int] | None:
     """The model's repeated block as ``(class name, elements of its largest instance)``, or None.
 
     HF models name it in ``_no_split_modules``; otherwise the module class (other than the model's own)
-    with two or more instances that together hold the most elements, the larger instance on a tie.
-    ``numel`` counts a parameter's elements (its layout entry's: stage 3 parameters have no storage).
+    with two or more instances that together hold the most elements, the larger instance on a tie
+    (``containers_only``: only classes made of smaller modules, so a leaf such as ``Linear`` is never the
+    block; stage 3's gather units).  ``numel`` counts a parameter's elements (its layout entry's: stage 3
+    parameters have no storage).
     """
     sizes: dict[str, list[int]] = defaultdict(list)
+    leaves: set[str] = set()
     for m in model.modules():
         if m is model:
             continue
         n = sum(numel(p) for p in m.parameters())
         if n:
             sizes[type(m).__name__].append(n)
+            if next(m.children(), None) is None:
+                leaves.add(type(m).__name__)
     named = [c for c in (getattr(model, "_no_split_modules", None) or []) if c in sizes]
     if named:
         best = max(named, key=lambda c: max(sizes[c]))
         return best, max(sizes[best])
-    repeated = [(sum(v), max(v), c) for c, v in sizes.items() if len(v) >= 2]
+    repeated = [(sum(v), max(v), c) for c, v in sizes.items()
+                if len(v) >= 2 and not (containers_only and c in leaves)]
     if not repeated:
         return None
     _, largest, cls = max(repeated)

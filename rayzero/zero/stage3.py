@@ -2,7 +2,7 @@
 
 Parameters are gathered per *unit* (``zero_optimization.stage3_gather_unit``): by default the model's
 repeated block (a module the user marked with :func:`mark_gather_unit`, else HF's ``_no_split_modules``,
-else the module class that repeats over most of the model: :func:`repeated_block_class`), so one
+else the module class that repeats over most of the model: ``buckets.repeated_block``), so one
 transformer layer is one gather, and each module outside every block that directly owns partitioned
 parameters is a unit of its own (``"module"``: every such module is a unit, one leaf at a time).  A
 unit's parameters are gathered (all-gather of the ranks' shards, cast to the compute dtype on the way out)
@@ -64,10 +64,12 @@ def unit_modules(model: torch.nn.Module, rule, numel) -> list[torch.nn.Module]:
         marked = [m for m in model.modules() if getattr(m, GATHER_UNIT_ATTR, False)]
         if marked:
             return _outermost(model, lambda m: getattr(m, GATHER_UNIT_ATTR, False))
-        block = repeated_block_class(model, numel)
+        from rayzero.zero.buckets import repeated_block
+
+        block = repeated_block(model, numel, containers_only=True)
         if block is None:
             return []
-        names = {block}
+        names = {block[0]}
     else:
         names = {c.strip() for c in rule.split(",")}
         present = {type(m).__name__ for m in model.modules()}
@@ -80,25 +82,6 @@ def unit_modules(model: torch.nn.Module, rule, numel) -> list[torch.nn.Module]:
                 'write "auto"'
             )
     return _outermost(model, lambda m: m is not model and type(m).__name__ in names)
-
-
-def repeated_block_class(model: torch.nn.Module, numel) -> str | None:
-    """The class of the model's repeated block: the first of HF's ``_no_split_modules`` present, else the
-    class, other than the model's own, of two or more instances made of smaller modules (a leaf such as
-    ``Linear`` is not a block) that together hold the most elements, the larger instance on a tie."""
-    sizes: dict[str, list[int]] = {}
-    for m in model.modules():
-        if m is model or not any(True for _ in m.children()):
-            continue
-        n = sum(numel(p) for p in m.parameters())
-        if n:
-            sizes.setdefault(type(m).__name__, []).append(n)
-    present = {type(m).__name__ for m in model.modules()}
-    named = [c for c in (getattr(model, "_no_split_modules", None) or []) if c in present]
-    if named:
-        return named[0]
-    repeated = [(sum(v), max(v), c) for c, v in sizes.items() if len(v) >= 2]
-    return max(repeated)[2] if repeated else None
 
 
 def _outermost(model: torch.nn.Module, chosen) -> list[torch.nn.Module]:
