@@ -160,7 +160,8 @@ def bucket_allowance(spec: dict, a, world: int, model=None, engine=None) -> tupl
     """Transient buffers the system keeps by design beyond its model states, in bytes, with how."""
     kind = spec["kind"]
     if kind == "rayzero":
-        from rayzero.zero.stage12 import GradientReducer, WeightPublisher
+        from rayzero.zero.publish import WeightPublisher
+        from rayzero.zero.reducer import GradientReducer
 
         s = engine.stage
         comm = torch.empty(0, dtype=engine.config.comm_dtype).element_size()

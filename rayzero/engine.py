@@ -1,7 +1,7 @@
 """The Engine: one rank's view of a ZeRO-partitioned model.  Forward, backward, step.
 
 The engine only composes: the layout and partitions (``zero/``), the gradient reducer and weight publisher
-(``zero/stage12.py``), the stage-3 parameter gatherer (``zero/stage3.py``), the fp32 global norm and loss
+(``zero/reducer.py``, ``zero/publish.py``), the stage-3 parameter gatherer (``zero/stage3.py``), the fp32 global norm and loss
 scaler (``optim/``), and torch's own optimizer running on the fp32 master partitions.
 """
 
@@ -37,7 +37,8 @@ from rayzero.parallel.state import ParallelState
 from rayzero.topology import ParallelDims
 from rayzero.zero.buckets import engine_bucket_plan
 from rayzero.zero.partition import Partitions
-from rayzero.zero.stage12 import GradientReducer, WeightPublisher
+from rayzero.zero.publish import WeightPublisher
+from rayzero.zero.reducer import GradientReducer
 from rayzero.zero.init import materialize_frozen
 from rayzero.zero.stage3 import ParamGatherer, freed_by_destroy
 from rayzero.offload.optimizer import (
@@ -165,6 +166,9 @@ class Engine:
                     p.data = torch.zeros(1, dtype=self.compute_dtype, device=device).expand(p.shape)
                 del p._rayzero_shard
 
+        if self.stage == 3 and not offload and z.offload_param.device == "none":
+            # gathers copy every rank's shard from where its owner keeps it (ranks on one host)
+            self.partitions.expose_weight_sources()
         self.gatherer: ParamGatherer | None = None
         if self.stage == 3:
             self.gatherer = ParamGatherer(
@@ -193,6 +197,8 @@ class Engine:
             self.buckets.allgather_bucket_size,
             self.compute_dtype,
             params=self.gatherer.persistent if self.gatherer is not None else None,
+            # stages 1-2: the ranks of a host keep one copy of the weights (zero/publish.py)
+            share=self.stage in (1, 2),
         )
         # Stage 0 in fp32: the parameters themselves become views of the master, so the optimizer updates
         # them in place and there is nothing to publish (and no second fp32 copy of the weights).
@@ -345,6 +351,8 @@ class Engine:
         if self.reducer.pending:  # boundary decided after the backward (manual boundaries): reduce now
             self.reducer.reduce_now = True
             self.reducer.flush()
+        self.reducer.zero_stale()
+        self.partitions.settle_exposed_reads()  # the update rewrites what the others gather from
         unscale = self.reducer.grad_scale() / self.loss_scaler.scale
         # stage 0 without EP/TP: every rank holds the whole reduced gradient, so the local sum is global
         replicated = self.stage == 0 and self.parallel.groups is None
@@ -366,7 +374,10 @@ class Engine:
             if not self._params_alias_master:
                 self.publisher.publish()
             self.loss_scaler.update(overflow=False)
-        self.partitions.zero_grads()
+        if self.stage == 0:
+            self.partitions.zero_grads()
+        else:  # the next window's first reductions overwrite the partitions (zero/reducer.py)
+            self.reducer.forget()
         self.global_steps += 1
         self.micro_steps += 1
         self.global_samples += self.batch.train_batch_size
@@ -501,6 +512,7 @@ class Engine:
         self._check_alive()
         self._checkpoint.wait()
         self._host_copies_done()
+        self.partitions.settle_exposed_reads()
         self.reducer.zero_local()
         self.partitions.zero_grads()
         error = None
@@ -542,6 +554,7 @@ class Engine:
         self._close_swap()  # the rank's swap files go with the engine
         _live_engines.discard(self)
         self.reducer.remove_hooks()
+        self.publisher.unshare()  # the model outlives the engine: each rank keeps its own weights
         if self.gatherer is not None:
             self.gatherer.close()  # stage 3: frees the gathered parameters, gathers nothing
         self.optimizer.state.clear()

@@ -87,3 +87,85 @@ def too_big_for_dev_shm(rank: int, world: int) -> dict:
     t = torch.full((4,), float(rank + 1))
     shm.all_reduce(t).wait()
     return {"sum": t, "shm": shm._local}
+
+
+def exposed_collectives(rank: int, world: int, exposed_on: str) -> dict:
+    """Reduce-scatters and all-gathers whose inputs lie in exposed regions (read in place by the other
+    ranks), on every rank or only on some (then all of them copy through the slots), against the ordered
+    pairwise transport; several in flight, waited out of order, with chunked all-reduces in between."""
+    from rayzero.comm import OrderedTransport
+    from rayzero.comm.shm import ShmTransport
+
+    shm = ShmTransport(None, rank, world, chunk_bytes=4096)
+    ref = OrderedTransport(None, rank, world)
+    region = shm.expose_region(1 << 20)
+    expose = exposed_on == "all" or (exposed_on == "rank0" and rank == 0)
+    g = torch.Generator().manual_seed(200 + rank)
+    out, paths = {}, []
+    for dtype in (torch.float32, torch.bfloat16):
+        for cols in (1, 7, 1000, 20_000):
+            rows = torch.randn(world, cols, generator=g).to(dtype)
+            mine = torch.randn(cols, generator=g).to(dtype)
+            flat = torch.randn(5, generator=g).to(dtype)
+            results = []
+            for t in (shm, ref):
+                if t is shm and expose:
+                    rows_in, mine_in = region.alloc(rows.numel(), dtype).view(world, cols), region.alloc(cols, dtype)
+                    rows_in.copy_(rows)
+                    mine_in.copy_(mine)
+                else:
+                    rows_in, mine_in = rows.clone(), mine.clone()
+                rs = torch.empty(cols, dtype=dtype)
+                ag = torch.empty(world, cols, dtype=dtype)
+                ar = flat.clone()
+                before = shm._chunk
+                handles = [t.reduce_scatter(rs, rows_in), t.all_reduce(ar), t.all_gather(ag, mine_in)]
+                for h in reversed(handles):
+                    h.wait()
+                if t is shm:
+                    paths.append(shm._chunk - before)  # chunks through the slots (the all-reduce's at least)
+                    if expose:
+                        region.free(rows_in.view(-1))
+                        region.free(mine_in)
+                results.append((rs, ag, ar))
+            out[(str(dtype), cols)] = results
+    shm.close()
+    return {"results": out, "chunks": paths, "region": region is not None}
+
+
+def exposed_region_reuse(rank: int, world: int) -> dict:
+    """A freed exposed buffer is handed out again only after every rank has read the collective that exposed
+    it: rank 1 sleeps before reading, and rank 0's next allocation of the same bytes waits for it."""
+    import time
+
+    from rayzero.comm.shm import ShmTransport
+
+    shm = ShmTransport(None, rank, world)
+    region = shm.expose_region(world * 4096 * 4)  # room for one buffer only
+    rows = region.alloc(world * 4096, torch.float32).view(world, 4096)
+    rows.fill_(float(rank + 1))
+    out = torch.empty(4096)
+    h = shm.reduce_scatter(out, rows)
+    if rank == 1:
+        time.sleep(1.0)
+    h.wait()
+    region.free(rows.view(-1))
+    start = time.monotonic()
+    again = region.alloc(world * 4096, torch.float32)
+    waited = time.monotonic() - start
+    again.fill_(-1.0)  # would corrupt rank 1's sum had rank 1 not read yet
+    shm.barrier()
+    too_big = region.alloc(world * 4096 + 1, torch.float32)
+    return {"sum": out, "waited": waited, "same": again.data_ptr() == rows.data_ptr(), "too_big": too_big}
+
+
+def shared_tensor_case(rank: int, world: int) -> dict:
+    """A shared tensor is the same memory on every rank: each rank writes its own row, and after a barrier
+    every rank reads all of them."""
+    from rayzero.comm.shm import ShmTransport
+
+    shm = ShmTransport(None, rank, world)
+    t = shm.shared_tensor(world * 3, torch.float32)
+    t.view(world, 3)[rank].fill_(float(rank + 10))
+    shm.barrier()
+    return {"seen": t.clone()}

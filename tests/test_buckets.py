@@ -90,7 +90,7 @@ def _engine_run(rank, world, zero: dict, steps: int):
     with contextlib.redirect_stderr(err):
         engine = rayzero.initialize(model, cfg)
     g = torch.Generator().manual_seed(1)
-    losses, pooled = [], []
+    losses, pooled, exposed_in_use = [], [], []
     for _ in range(steps):
         x = torch.randn(2 * world, 1024, generator=g)[rank * 2 : rank * 2 + 2]
         loss = engine(x).pow(2).mean()
@@ -99,18 +99,22 @@ def _engine_run(rank, world, zero: dict, steps: int):
         losses.append(loss.item())
         # the reducer's freed bucket buffers, by kind: (count, addresses)
         pooled.append({k[0]: sorted(t.data_ptr() for t in v) for k, v in engine.reducer._pool.items()})
-    out = dict(losses=losses, weights=engine.full_state_dict(), printed=err.getvalue(), pooled=pooled,
+        # bucket buffers still allocated from the exposed regions (shared memory) after the step
+        exposed_in_use.append(sum(len(r._used) for r in engine.reducer._regions.values() if r is not None))
+    regions = [r for r in engine.reducer._regions.values() if r is not None]
+    out = dict(losses=losses, regions=len(regions), exposed_in_use=exposed_in_use, weights=engine.full_state_dict(), printed=err.getvalue(), pooled=pooled,
                reduce=engine.buckets.reduce_bucket_size, allgather=engine.buckets.allgather_bucket_size,
                reduce_buckets=len(engine.reducer.buckets), publish_buckets=len(engine.publisher.buckets))
     engine.destroy()
     return out
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_engine_derives_several_buckets_and_trains_bitwise_like_one_bucket(stage):
-    derived = run_distributed(_engine_run, 2, {"stage": stage}, 2)
+@pytest.mark.parametrize("stage,shm", [(1, "1"), (2, "1"), (3, "1"), (2, "0")], ids=["1", "2", "3", "2-gloo"])
+def test_engine_derives_several_buckets_and_trains_bitwise_like_one_bucket(stage, shm):
+    env = {"RAYZERO_SHM": shm}
+    derived = run_distributed(_engine_run, 2, {"stage": stage}, 2, env=env)
     one = run_distributed(_engine_run, 2, {"stage": stage, "reduce_bucket_size": 10**9,
-                                           "allgather_bucket_size": 10**9}, 2)
+                                           "allgather_bucket_size": 10**9}, 2, env=env)
     total = 33_574_912
     for r in derived:
         assert r["reduce"] == r["allgather"] == -(-total // 8)
@@ -118,15 +122,21 @@ def test_engine_derives_several_buckets_and_trains_bitwise_like_one_bucket(stage
     if stage < 3:  # stage 3 publishes only its persistent (small) parameters
         assert derived[0]["publish_buckets"] >= 6
     assert [r["reduce_buckets"] for r in one] == [1, 1]
-    # stages 2-3 take each bucket's buffers from a pool of at most MAX_INFLIGHT + 1 and the next backward
-    # reuses the same ones (no fresh pages); stage 1 keeps its rows, so only reduce-scatter outputs pool
-    from rayzero.zero.stage12 import GradientReducer
+    from rayzero.zero.reducer import GradientReducer
 
     for r in derived:
         first, last = r["pooled"][0], r["pooled"][-1]
         assert first == last  # the same buffers, backward after backward
-        assert set(first) == ({"rows", "out"} if stage >= 2 else {"out"})
         assert all(1 <= len(v) <= GradientReducer.MAX_INFLIGHT + 1 for v in first.values())
+        if shm == "1":
+            # the ranks share a host: every bucket's rows come from the exposed region (read in place by the
+            # other rank), and all of them are back in it after each step; stage 1 keeps its rows there
+            assert r["regions"] == 1 and "rows" not in first
+            assert r["exposed_in_use"] == [r["reduce_buckets"] if stage == 1 else 0] * 2
+        else:
+            # stages 2-3 take each bucket's buffers from a pool of at most MAX_INFLIGHT + 1 and the next
+            # backward reuses the same ones (no fresh pages)
+            assert r["regions"] == 0 and set(first) == {"rows", "out"}
     # the sizes are printed once, by rank 0, and only when rayzero chose them
     assert derived[0]["printed"].count("rayzero: derived reduce_bucket_size") == 1
     assert f"{-(-total // 8):,}" in derived[0]["printed"]

@@ -45,3 +45,32 @@ def test_gloo_groups_pick_shm_on_one_host_and_gloo_when_it_is_disabled():
 def test_a_dev_shm_too_small_falls_back_to_gloo_on_every_rank():
     for r in run_distributed(shm_cases.too_big_for_dev_shm, 2):
         assert r["shm"] is False and torch.equal(r["sum"], torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("exposed_on", ["all", "rank0"])
+def test_inputs_read_in_place_equal_pairwise_bitwise(world, exposed_on):
+    results = run_distributed(shm_cases.exposed_collectives, world, exposed_on)
+    for r in results:
+        assert r["region"]
+        for key, (shm, ref) in r["results"].items():
+            for a, b in zip(shm, ref):
+                assert torch.equal(a, b), key
+    chunks = results[0]["chunks"]
+    if exposed_on == "all":  # only the all-reduces went through the slots: one chunk each
+        assert chunks == [1] * len(chunks)
+    else:  # a rank whose inputs are not exposed sends every rank through the slots for those collectives
+        assert all(c > 1 for c in chunks)
+
+
+def test_an_exposed_buffer_is_reused_only_after_every_rank_read_it():
+    r0, r1 = run_distributed(shm_cases.exposed_region_reuse, 2)
+    for r in (r0, r1):
+        assert torch.equal(r["sum"], torch.full((4096,), 3.0))
+        assert r["same"] and r["too_big"] is None
+    assert r0["waited"] > 0.5  # rank 1 read only after its sleep
+
+
+def test_a_shared_tensor_is_one_memory_on_every_rank():
+    for r in run_distributed(shm_cases.shared_tensor_case, 3):
+        assert torch.equal(r["seen"], torch.tensor([10.0] * 3 + [11.0] * 3 + [12.0] * 3))

@@ -59,6 +59,10 @@ class Transport(Protocol):
     def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor) -> Handle: ...
     def all_gather(self, rows: torch.Tensor, mine: torch.Tensor) -> Handle: ...
     def all_reduce(self, tensor: torch.Tensor) -> Handle: ...
+    def barrier(self) -> None: ...
+    def expose_region(self, nbytes: int): ...
+    def shared_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None: ...
+    def settle_reads(self) -> None: ...
 
 
 class NativeTransport:
@@ -81,6 +85,21 @@ class NativeTransport:
         if self.world == 1:
             return Handle([])
         return Handle([dist.all_reduce(tensor, group=self.group, async_op=True)])
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=self.group)
+
+    # Memory the other ranks read in place exists only where every rank maps it (rayzero/comm/shm.py);
+    # here every rank keeps its own tensors and collectives copy them.
+    def expose_region(self, nbytes: int) -> None:
+        return None
+
+    def shared_tensor(self, numel: int, dtype: torch.dtype) -> None:
+        return None
+
+    def settle_reads(self) -> None:
+        pass
 
 
 class PairwiseTransport(NativeTransport):
@@ -234,8 +253,21 @@ class Communicator:
             dist.broadcast(tensor, group=self.group, group_src=src)
 
     def barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier(group=self.group)
+        self.transport.barrier()
+
+    def expose_region(self, nbytes: int):
+        """A region of this rank's memory that the group's collectives read in place (a collective; None
+        where the transport has none: rayzero/comm/shm.py, ExposedRegion)."""
+        return self.transport.expose_region(nbytes)
+
+    def shared_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor that is the same memory on every rank of the group (a collective; None where the
+        transport cannot give one)."""
+        return self.transport.shared_tensor(numel, dtype)
+
+    def settle_reads(self) -> None:
+        """Return once the other ranks have read everything this rank's collectives exposed."""
+        self.transport.settle_reads()
 
 
 def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int, bool]:

@@ -131,6 +131,16 @@ def copy_into_rows(dst: torch.Tensor, col: int, chunk: int, flat: torch.Tensor, 
             tail.copy_(flat[full_rows * chunk :])
 
 
+def zero_padding(dst: torch.Tensor, col: int, chunk: int, numel: int) -> None:
+    """Zero the padding of a parameter of ``numel`` elements in columns ``[col, col + chunk)`` of a
+    ``(world, cols)`` buffer: what :func:`copy_into_rows` leaves untouched."""
+    full_rows = numel // chunk if chunk else dst.shape[0]
+    rem = numel - full_rows * chunk
+    if full_rows < dst.shape[0]:
+        dst[full_rows, col + rem : col + chunk].zero_()
+        dst[full_rows + 1 :, col : col + chunk].zero_()
+
+
 def copy_from_rows(flat: torch.Tensor, src: torch.Tensor, col: int, chunk: int) -> None:
     """Inverse of :func:`copy_into_rows`: gather columns ``[col, col + chunk)`` of every row into ``flat``."""
     numel = flat.numel()

@@ -178,6 +178,34 @@ class Partitions:
             elif g.weights is not None:
                 g.weights.copy_(g.master)
 
+    @torch.no_grad()
+    def expose_weight_sources(self) -> None:
+        """Move each group's weight source (what stage-3 gathers read) into memory that the other ranks of
+        its communicator read in place, where they share this host (a collective: rayzero/comm/shm.py,
+        ExposedRegion).  A gather then copies every rank's shard straight from its owner."""
+        for g in self.groups:
+            src = g.weight_source
+            if g.world == 1 or src.device.type != "cpu":
+                continue
+            region = g.comm.expose_region(src.numel() * src.element_size())
+            exposed = region.alloc(src.numel(), src.dtype) if region is not None else None
+            if exposed is None:
+                continue
+            exposed.copy_(src)
+            if g.weights is not None:
+                g.weights = exposed
+            else:
+                g.master = exposed
+
+    def settle_exposed_reads(self) -> None:
+        """Before the weight sources are rewritten (a step, a load): every other rank has read what it
+        gathered from them."""
+        seen = set()
+        for g in self.groups:
+            if g.world > 1 and id(g.comm) not in seen:
+                seen.add(id(g.comm))
+                g.comm.settle_reads()
+
     def zero_grads(self) -> None:
         for g in self.groups:
             g.grad.zero_()

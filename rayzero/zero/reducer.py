@@ -1,4 +1,4 @@
-"""Gradient buckets (every stage) and weight publishing for ZeRO stages 0-2.
+"""Gradient buckets and their reduction into the gradient partitions (every ZeRO stage).
 
 Gradients reach rayzero through one post-accumulate hook per parameter.  Each hook copies the parameter's
 gradient into the bucket that holds it and drops ``param.grad``; a bucket whose parameters are all in is
@@ -18,6 +18,17 @@ Stage policies:
   are reused by the next bucket: a freshly allocated multi-megabyte buffer costs a page fault per 4 KiB
   on first touch, which on CPU made every stage-2 backward pay for zeroing new memory (about a third of
   the step on a small model).
+
+Where the reduction domain's ranks share a host (rayzero/comm/shm.py), the bucket buffers come from an
+exposed region instead: memory every rank of the group maps, so a reduce-scatter reads each rank's rows
+where they lie, without copying them through the transport first.  A buffer is never zeroed whole: the
+first gradient of a parameter in an accumulation window is copied over whatever the buffer held (and its
+padding zeroed), later ones are added, and a parameter that got no gradient is zeroed at launch.
+
+The gradient partitions are not zeroed after a step either (stages 1-3): :meth:`GradientReducer.forget`
+marks every bucket's slice stale, the window's first reduction writes its sum straight into the slice
+(the transport's output is the partition itself), and :meth:`GradientReducer.zero_stale` zeroes whatever
+no reduction reached before the step reads the partitions.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from typing import Callable
 import torch
 
 from rayzero.comm import Handle
-from rayzero.zero.layout import ParamEntry, copy_from_rows, copy_into_rows
+from rayzero.zero.layout import ParamEntry, copy_into_rows, zero_padding
 from rayzero.zero.partition import GroupPartition, Partitions
 
 
@@ -41,7 +52,12 @@ class Bucket:
     part_start: int
     col_of: dict[int, int] = field(default_factory=dict)  # index_in_group -> column
     rows: torch.Tensor | None = None  # (world, cols) local gradients (stage 0: a view of the grad partition)
-    ready: set = field(default_factory=set)
+    ready: set = field(default_factory=set)  # got their gradient in this backward
+    written: set = field(default_factory=set)  # columns hold this accumulation window's gradient
+    # stages 1-3: the bucket's slice of the gradient partition holds nothing of this window yet (its
+    # content is left over: the first reduction overwrites it instead of adding to zeros)
+    partition_stale: bool = False
+    out_is_partition: bool = False
     launched: bool = False
     handle: Handle | None = None
     out: torch.Tensor | None = None
@@ -119,18 +135,33 @@ class GradientReducer:
             for p in b.params:
                 self.bucket_of[p] = b
         self.accumulate_locally = stage in (0, 1)
+        self._pool: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}  # freed flat buffers, for reuse
+        self._regions = self._expose_regions() if stage >= 1 else {}
         if self.accumulate_locally:
             for b in self.buckets:
                 if stage == 0:
                     b.rows = b.group.grad[b.part_slice].view(1, b.cols)
                 else:
-                    b.rows = torch.zeros((b.group.world, b.cols), dtype=torch.float32, device=partitions.device)
+                    b.rows = self._new_rows(b)
         self._inflight: list[Bucket] = []
-        self._pool: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}  # freed flat buffers, for reuse
         self.reduce_now = True  # set per backward: reduce in this backward (boundary) or only accumulate
         self.pending = False  # some gradients are in buckets but not yet in the partition
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.bucket_of]
+
+    def _expose_regions(self) -> dict:
+        """One exposed region per communicator whose ranks share a host (a collective, in bucket order):
+        stage 1 keeps all its rows there, stages 2-3 the buckets in flight and the one filling."""
+        need: dict[int, list] = {}  # id(comm) -> [comm, bytes]
+        size = torch.empty(0, dtype=self._bucket_dtype()).element_size()
+        for b in self.buckets:
+            nbytes = -(-b.group.world * b.cols * size // 4096) * 4096
+            entry = need.setdefault(id(b.group.comm), [b.group.comm, 0])
+            entry[1] = entry[1] + nbytes if self.stage == 1 else max(entry[1], nbytes)
+        if self._bucket_dtype() != self.comm_dtype:  # the rows are converted before they travel: nothing to expose
+            return {}
+        count = 1 if self.stage == 1 else self.MAX_INFLIGHT + 1
+        return {key: comm.expose_region(nbytes * count) for key, (comm, nbytes) in need.items()}
 
     # ---- backward side -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -155,7 +186,11 @@ class GradientReducer:
         if self.stage == 0:
             b.rows[0, col : col + e.numel].add_(flat)
         else:
-            copy_into_rows(b.rows, col, e.chunk, flat, accumulate=self.accumulate_locally or e.index_in_group in b.ready)
+            accumulate = e.index_in_group in b.written
+            if not accumulate:  # the first gradient of the window overwrites what the buffer held
+                zero_padding(b.rows, col, e.chunk, e.numel)
+            copy_into_rows(b.rows, col, e.chunk, flat, accumulate=accumulate)
+            b.written.add(e.index_in_group)
         param.grad = None
         b.ready.add(e.index_in_group)
         self.pending = True
@@ -168,7 +203,24 @@ class GradientReducer:
         return torch.float32 if self.accumulate_locally else self.comm_dtype
 
     def _new_rows(self, b: Bucket) -> torch.Tensor:
-        return self._take("rows", b.group.world * b.cols, self._bucket_dtype()).view(b.group.world, b.cols).zero_()
+        """A ``(world, cols)`` buffer for ``b``, its content undefined (``b.written`` starts empty): from the
+        communicator's exposed region when it has room, else from the pool."""
+        numel, dtype = b.group.world * b.cols, self._bucket_dtype()
+        region = self._regions.get(id(b.group.comm))
+        rows = region.alloc(numel, dtype) if region is not None else None
+        if rows is None:
+            rows = self._take("rows", numel, dtype)
+        b.written.clear()
+        return rows.view(b.group.world, b.cols)
+
+    def _drop_rows(self, b: Bucket) -> None:
+        region = self._regions.get(id(b.group.comm))
+        if region is not None and region.offset_of(b.rows) is not None:
+            region.free(b.rows.view(-1))
+        else:
+            self._give("rows", b.rows)
+        b.rows = None
+        b.written.clear()
 
     def _take(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat buffer of ``numel`` elements (uninitialized): a pooled one large enough, else a new one."""
@@ -198,6 +250,11 @@ class GradientReducer:
     def _launch(self, b: Bucket) -> None:
         if b.rows is None:  # no parameter of this bucket got a gradient: it contributes zeros
             b.rows = self._new_rows(b)
+        if self.stage >= 1:
+            for e in b.entries:
+                if e.index_in_group not in b.written:  # no gradient in this window
+                    col = b.col_of[e.index_in_group]
+                    b.rows[:, col : col + e.chunk].zero_()
         send = b.rows
         if send.dtype != self.comm_dtype:
             send = (send / self.dp if self.predivide else send).to(self.comm_dtype)
@@ -205,7 +262,10 @@ class GradientReducer:
         if self.stage == 0:
             b.handle = b.group.comm.all_reduce(send)
         else:
-            b.out = self._take("out", b.cols, self.comm_dtype)
+            grad = b.group.grad[b.part_slice]
+            b.out_is_partition = (b.partition_stale and grad.dtype == self.comm_dtype
+                                  and grad.device == send.device)
+            b.out = grad if b.out_is_partition else self._take("out", b.cols, self.comm_dtype)
             b.handle = b.group.comm.reduce_scatter(b.out, send)
         b.launched = True
         self._inflight.append(b)
@@ -219,16 +279,20 @@ class GradientReducer:
         if self.stage == 0:
             if b.send is not b.rows:
                 b.rows[0].copy_(b.send[0])
-        else:
+        elif not b.out_is_partition:
             grad = b.group.grad[b.part_slice]
-            grad.add_(b.out if b.out.device == grad.device else b.out.to(grad.device))  # offload: host accumulator
+            out = b.out if b.out.device == grad.device else b.out.to(grad.device)  # offload: host accumulator
+            if b.partition_stale:
+                grad.copy_(out)
+            else:
+                grad.add_(out)
             self._give("out", b.out)
+        b.partition_stale = b.out_is_partition = False
         b.handle = b.out = b.send = None
         if self.stage == 1:
-            b.rows.zero_()
+            b.written.clear()  # the next window overwrites the rows instead of zeroing them now
         elif self.stage >= 2:
-            self._give("rows", b.rows)
-            b.rows = None  # the full-size gradient dies with its bucket
+            self._drop_rows(b)  # the full-size gradient dies with its bucket
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -245,11 +309,28 @@ class GradientReducer:
             b.ready.clear()
             b.launched = False
 
+    def forget(self) -> None:
+        """After a step (stages 1-3): the gradient partitions' content is spent; the next window's first
+        reduction of each bucket overwrites it (instead of zeroing every partition now)."""
+        if self.stage >= 1:
+            for b in self.buckets:
+                b.partition_stale = True
+
+    @torch.no_grad()
+    def zero_stale(self) -> None:
+        """Before the partitions are read (the step, the norm): zero the slices no reduction of this window
+        reached (every slice, when the window had no reducing backward)."""
+        for b in self.buckets:
+            if b.partition_stale:
+                b.group.grad[b.part_slice].zero_()
+                b.partition_stale = False
+
     def zero_local(self) -> None:
         """Drop gradients accumulated locally but not yet reduced (stages 0 and 1)."""
-        if self.accumulate_locally:
-            for b in self.buckets:
+        for b in self.buckets:
+            if self.stage == 0:
                 b.rows.zero_()
+            b.written.clear()  # stage 1: the next gradient overwrites the rows
         self.pending = False
 
     def grad_scale(self) -> float:
@@ -263,108 +344,4 @@ class GradientReducer:
         for b in self.buckets:
             b.rows = b.out = b.send = b.handle = None
         self._pool.clear()
-
-
-class WeightPublisher:
-    """After a step, copies the updated fp32 masters into the model's compute-dtype parameters.
-
-    ``params`` restricts it to a subset (stage 3 refreshes only its persistent parameters): their shards
-    are packed into one send buffer per bucket, so only their elements travel.
-    """
-
-    MAX_INFLIGHT = 2
-
-    def __init__(
-        self,
-        partitions: Partitions,
-        bucket_elements: int,
-        compute_dtype: torch.dtype,
-        params: set[torch.nn.Parameter] | None = None,
-    ):
-        self.partitions = partitions
-        self.compute_dtype = compute_dtype
-        # a bucket holds parameters partitioned over one communicator (it is gathered over those ranks);
-        # consecutive partition groups over the same ranks share buckets
-        self.buckets: list[tuple[GroupPartition, list[tuple[ParamEntry, torch.nn.Parameter]]]] = []
-        current, size, owner = [], 0, None
-        for g in partitions.groups:
-            if current and g.comm is not owner.comm:
-                self.buckets.append((owner, current))
-                current, size = [], 0
-            owner = g
-            for p, e in zip(g.params, g.layout.entries):
-                if params is not None and p not in params:
-                    continue
-                if current and size + e.padded_numel > bucket_elements:
-                    self.buckets.append((owner, current))
-                    current, size = [], 0
-                current.append((e, p))
-                size += e.padded_numel
-        if current:
-            self.buckets.append((owner, current))
-
-        # send and receive buffers of the packed buckets, kept from one step to the next (a fresh one costs
-        # a page fault per 4 KiB page on every step); at most MAX_INFLIGHT + 1 of each are in use at once
-        self._free_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def _direct(self, g: GroupPartition, members) -> bool:
-        """A bucket of one parameter whose shards tile it exactly is gathered straight into it: the
-        parameter's storage viewed as ``(world, chunk)`` is the all-gather's output."""
-        if len(members) != 1:
-            return False
-        e, p = members[0]
-        return e.numel == e.chunk * g.world and p.data.is_contiguous() and p.dtype == self.compute_dtype
-
-    def _buffers(self, world: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A free (send, receive) pair for a packed bucket of ``cols`` columns over ``world`` ranks; a new
-        pair is sized for the largest packed bucket, so any pair serves any bucket of the same world."""
-        for i, (send, recv) in enumerate(self._free_buffers):
-            if send.numel() >= cols and recv.numel() >= world * cols:
-                return self._free_buffers.pop(i)
-        packed = [(g.world, sum(e.chunk for e, _ in m)) for g, m in self.buckets if not self._direct(g, m)]
-        send = max([c for _, c in packed] + [cols, 1])
-        recv = max([w * c for w, c in packed] + [world * cols, 1])
-        device = self.partitions.device
-        return (torch.empty(send, dtype=self.compute_dtype, device=device),
-                torch.empty(recv, dtype=self.compute_dtype, device=device))
-
-    @torch.no_grad()
-    def publish(self) -> None:
-        device = self.partitions.device
-        inflight: list = []
-        for g, members in self.buckets:
-            world = g.world
-            if world == 1:
-                for e, p in members:
-                    p.data.view(-1).copy_(self.partitions.weight_shard(e)[: e.numel])
-                continue
-            if self._direct(g, members):
-                e, p = members[0]
-                shard = self.partitions.weight_shard(e)
-                if shard.dtype != self.compute_dtype or shard.device != p.device or not shard.is_contiguous():
-                    shard = shard.to(device=p.device, dtype=self.compute_dtype)
-                handle = g.comm.all_gather(p.data.view(world, e.chunk), shard)
-                inflight.append((None, None, None, handle))
-            else:
-                cols = sum(e.chunk for e, _ in members)
-                buffers = self._buffers(world, cols)
-                mine, rows = buffers[0][:cols], buffers[1][: world * cols].view(world, cols)
-                col = 0
-                for e, _ in members:
-                    mine[col : col + e.chunk].copy_(self.partitions.weight_shard(e))
-                    col += e.chunk
-                inflight.append((members, rows, buffers, g.comm.all_gather(rows, mine)))
-            while len(inflight) > self.MAX_INFLIGHT:
-                self._unpack(*inflight.pop(0))
-        while inflight:
-            self._unpack(*inflight.pop(0))
-
-    def _unpack(self, members, rows: torch.Tensor | None, buffers, handle: Handle) -> None:
-        handle.wait()
-        if members is None:  # gathered straight into the parameter
-            return
-        col = 0
-        for e, p in members:
-            copy_from_rows(p.data.view(-1), rows, col, e.chunk)
-            col += e.chunk
-        self._free_buffers.append(buffers)
+        self._regions = {}

@@ -1,0 +1,194 @@
+"""Publishing updated weights: after a step, the fp32 masters become the model's compute-dtype parameters.
+
+Stages 1 and 2 (and stage 3's persistent parameters) all-gather each parameter's shards from the ranks
+that own them, bucket by bucket (``allgather_bucket_size``).
+
+**Weights shared by the ranks of one host** (stages 1-2).  Every rank of a reduction domain holds the
+same weights, so where the domain's ranks all run on one host (rayzero/comm/shm.py) one copy serves them
+all: at set-up the parameters of that domain move into one tensor every rank maps
+(``Communicator.shared_tensor``), and publishing is each rank writing its own shard of every parameter
+into it, between two barriers (no rank still reads the old weights when the first rank writes; no rank
+runs a forward before the last rank has written).  Nothing is gathered and the host keeps one copy of the
+weights instead of one per rank.  ``Engine.destroy`` gives every rank a private copy back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rayzero.comm import Communicator, Handle
+from rayzero.zero.layout import ParamEntry, copy_from_rows
+from rayzero.zero.partition import GroupPartition, Partitions
+
+
+class WeightPublisher:
+    """After a step, copies the updated fp32 masters into the model's compute-dtype parameters.
+
+    ``params`` restricts it to a subset (stage 3 refreshes only its persistent parameters): their shards
+    are packed into one send buffer per bucket, so only their elements travel.  ``share`` lets the ranks
+    of a host share one copy of the weights (module docstring).
+    """
+
+    MAX_INFLIGHT = 2
+
+    def __init__(
+        self,
+        partitions: Partitions,
+        bucket_elements: int,
+        compute_dtype: torch.dtype,
+        params: set[torch.nn.Parameter] | None = None,
+        share: bool = False,
+    ):
+        self.partitions = partitions
+        self.compute_dtype = compute_dtype
+        # a bucket holds parameters partitioned over one communicator (it is gathered over those ranks);
+        # consecutive partition groups over the same ranks share buckets
+        self.buckets: list[tuple[GroupPartition, list[tuple[ParamEntry, torch.nn.Parameter]]]] = []
+        current, size, owner = [], 0, None
+        for g in partitions.groups:
+            if current and g.comm is not owner.comm:
+                self.buckets.append((owner, current))
+                current, size = [], 0
+            owner = g
+            for p, e in zip(g.params, g.layout.entries):
+                if params is not None and p not in params:
+                    continue
+                if current and size + e.padded_numel > bucket_elements:
+                    self.buckets.append((owner, current))
+                    current, size = [], 0
+                current.append((e, p))
+                size += e.padded_numel
+        if current:
+            self.buckets.append((owner, current))
+
+        # send and receive buffers of the packed buckets, kept from one step to the next (a fresh one costs
+        # a page fault per 4 KiB page on every step); at most MAX_INFLIGHT + 1 of each are in use at once
+        self._free_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # parameters whose storage every rank of their communicator shares: (world, chunk) rows of it
+        self._shared_rows: dict[torch.nn.Parameter, torch.Tensor] = {}
+        self._shared_comms: list[Communicator] = []
+        if share and params is None:
+            self._share_weights()
+
+    # ---- weights shared by the ranks of a host -------------------------------------------------------------
+    def _share_weights(self) -> None:
+        """Move the parameters of every communicator whose ranks share a host into one tensor they all map
+        (a collective, in bucket order); each rank writes its own shards into it."""
+        by_comm: dict[int, list] = {}
+        for g, members in self.buckets:
+            if g.world > 1:
+                by_comm.setdefault(id(g.comm), [g.comm, []])[1].extend((g, e, p) for e, p in members)
+        for comm, members in by_comm.values():
+            if not self._shareable([p for _, _, p in members]):
+                continue
+            total = sum(g.world * e.chunk for g, e, _ in members)
+            shared = comm.shared_tensor(total, self.compute_dtype)
+            if shared is None:
+                continue
+            offset = 0
+            with torch.no_grad():
+                for g, e, p in members:
+                    padded = shared[offset : offset + g.world * e.chunk]
+                    offset += g.world * e.chunk
+                    rows = padded.view(g.world, e.chunk)
+                    rows[g.rank].copy_(self.partitions.weight_shard(e))  # the padding is zero on every rank
+                    self._shared_rows[p] = rows
+                    p.data = padded[: e.numel].view(e.shape)
+            comm.barrier()  # every rank wrote its shards: the shared weights are whole
+            self._shared_comms.append(comm)
+
+    def _shareable(self, params: list[torch.nn.Parameter]) -> bool:
+        """Host tensors of the compute dtype, no two of which share memory (re-pointing one of two views of
+        the same storage would untie them)."""
+        spans = []
+        for p in params:
+            if p.device.type != "cpu" or p.dtype != self.compute_dtype:
+                return False
+            start = p.data_ptr()
+            spans.append((start, start + p.numel() * p.element_size()))
+        spans.sort()
+        return all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+    @property
+    def shares_weights(self) -> bool:
+        return bool(self._shared_rows)
+
+    def unshare(self) -> None:
+        """Give every shared parameter a private copy of its current value (no collective)."""
+        with torch.no_grad():
+            for p in self._shared_rows:
+                p.data = p.data.clone()
+        self._shared_rows.clear()
+        self._shared_comms = []
+
+    # ---- publishing ------------------------------------------------------------------------------------------
+    def _direct(self, g: GroupPartition, members) -> bool:
+        """A bucket of one parameter whose shards tile it exactly is gathered straight into it: the
+        parameter's storage viewed as ``(world, chunk)`` is the all-gather's output."""
+        if len(members) != 1:
+            return False
+        e, p = members[0]
+        return e.numel == e.chunk * g.world and p.data.is_contiguous() and p.dtype == self.compute_dtype
+
+    def _buffers(self, world: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A free (send, receive) pair for a packed bucket of ``cols`` columns over ``world`` ranks; a new
+        pair is sized for the largest packed bucket, so any pair serves any bucket of the same world."""
+        for i, (send, recv) in enumerate(self._free_buffers):
+            if send.numel() >= cols and recv.numel() >= world * cols:
+                return self._free_buffers.pop(i)
+        packed = [(g.world, sum(e.chunk for e, _ in m)) for g, m in self.buckets
+                  if not self._direct(g, m) and m[0][1] not in self._shared_rows]
+        send = max([c for _, c in packed] + [cols, 1])
+        recv = max([w * c for w, c in packed] + [world * cols, 1])
+        device = self.partitions.device
+        return (torch.empty(send, dtype=self.compute_dtype, device=device),
+                torch.empty(recv, dtype=self.compute_dtype, device=device))
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        for comm in self._shared_comms:  # nobody still reads the weights about to be overwritten
+            comm.barrier()
+        device = self.partitions.device
+        inflight: list = []
+        for g, members in self.buckets:
+            world = g.world
+            if world == 1:
+                for e, p in members:
+                    p.data.view(-1).copy_(self.partitions.weight_shard(e)[: e.numel])
+                continue
+            if members[0][1] in self._shared_rows:  # the ranks' one copy: write my shards into it
+                for e, p in members:
+                    self._shared_rows[p][g.rank].copy_(self.partitions.weight_shard(e))
+                continue
+            if self._direct(g, members):
+                e, p = members[0]
+                shard = self.partitions.weight_shard(e)
+                if shard.dtype != self.compute_dtype or shard.device != p.device or not shard.is_contiguous():
+                    shard = shard.to(device=p.device, dtype=self.compute_dtype)
+                handle = g.comm.all_gather(p.data.view(world, e.chunk), shard)
+                inflight.append((None, None, None, handle))
+            else:
+                cols = sum(e.chunk for e, _ in members)
+                buffers = self._buffers(world, cols)
+                mine, rows = buffers[0][:cols], buffers[1][: world * cols].view(world, cols)
+                col = 0
+                for e, _ in members:
+                    mine[col : col + e.chunk].copy_(self.partitions.weight_shard(e))
+                    col += e.chunk
+                inflight.append((members, rows, buffers, g.comm.all_gather(rows, mine)))
+            while len(inflight) > self.MAX_INFLIGHT:
+                self._unpack(*inflight.pop(0))
+        while inflight:
+            self._unpack(*inflight.pop(0))
+        for comm in self._shared_comms:  # nobody runs a forward before every shard is written
+            comm.barrier()
+
+    def _unpack(self, members, rows: torch.Tensor | None, buffers, handle: Handle) -> None:
+        handle.wait()
+        if members is None:  # gathered straight into the parameter
+            return
+        col = 0
+        for e, p in members:
+            copy_from_rows(p.data.view(-1), rows, col, e.chunk)
+            col += e.chunk
+        self._free_buffers.append(buffers)
