@@ -168,7 +168,7 @@ class Engine:
 
         if self.stage == 3 and not offload and z.offload_param.device == "none":
             # gathers copy every rank's shard from where its owner keeps it (ranks on one host)
-            self.partitions.expose_weight_sources()
+            self.partitions.expose_weight_sources(self.compute_dtype)
         self.gatherer: ParamGatherer | None = None
         if self.stage == 3:
             self.gatherer = ParamGatherer(

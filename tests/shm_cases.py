@@ -169,3 +169,58 @@ def shared_tensor_case(rank: int, world: int) -> dict:
     t.view(world, 3)[rank].fill_(float(rank + 10))
     shm.barrier()
     return {"seen": t.clone()}
+
+
+def engine_on_one_host(rank: int, world: int, stage: int, dtype: str) -> dict:
+    """An engine whose ranks share a host: stages 1-2 keep one copy of the weights that every rank maps,
+    stage 3 gathers from masters the other ranks read in place.  Returns what it trained, how it held
+    memory, and (stages 1-2) whether a write by rank 0 reaches rank 1 before and after ``destroy``."""
+    import torch.distributed as dist
+
+    import rayzero
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64),
+                                torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    zero = {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # every parameter is gathered
+    cfg = {"train_batch_size": 4 * world, "zero_optimization": zero, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine = rayzero.initialize(model, cfg)
+    transport = engine.partitions.groups[0].comm.transport
+    g = torch.Generator().manual_seed(1)
+    losses, chunks = [], []
+    for _ in range(3):
+        x = torch.randn(4 * world, 64, generator=g)[rank * 4 : rank * 4 + 4]
+        before = getattr(transport, "_chunk", 0)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        chunks.append(getattr(transport, "_chunk", 0) - before)
+        losses.append(loss.item())
+    out = {"losses": losses, "weights": engine.full_state_dict(), "chunks": chunks,
+           "transport": type(transport).__name__, "shares": engine.publisher.shares_weights}
+    regions = getattr(transport, "_regions", [])
+    out["sources_exposed"] = [any(r.offset_of(grp.weight_source) is not None for r in regions)
+                              for grp in engine.partitions.groups]
+    if stage < 3:
+        first = next(engine.module.parameters())
+
+        def seen_after_rank0_writes(value: float) -> float:
+            dist.barrier()
+            if rank == 0:
+                with torch.no_grad():
+                    first.view(-1)[0] = value
+            dist.barrier()
+            return first.view(-1)[0].item()
+
+        out["seen_shared"] = seen_after_rank0_writes(1024.0)
+        engine.destroy()
+        out["seen_after_destroy"] = seen_after_rank0_writes(2048.0)
+        out["still_trains"] = bool(torch.isfinite(engine.module(torch.ones(2, 64, dtype=first.dtype))).all())
+    else:
+        engine.destroy()
+    return out

@@ -74,3 +74,31 @@ def test_an_exposed_buffer_is_reused_only_after_every_rank_read_it():
 def test_a_shared_tensor_is_one_memory_on_every_rank():
     for r in run_distributed(shm_cases.shared_tensor_case, 3):
         assert torch.equal(r["seen"], torch.tensor([10.0] * 3 + [11.0] * 3 + [12.0] * 3))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_an_engine_on_one_host_shares_weights_and_trains_like_gloo(stage, dtype):
+    shm = run_distributed(shm_cases.engine_on_one_host, 2, stage, dtype, env={"RAYZERO_SHM": "1"})
+    gloo = run_distributed(shm_cases.engine_on_one_host, 2, stage, dtype, env={"RAYZERO_SHM": "0"})
+    assert [r["transport"] for r in shm] == ["ShmTransport"] * 2
+    assert [r["transport"] for r in gloo] != ["ShmTransport"] * 2
+    # two ranks: every sum has one order, so the transports train bitwise alike
+    for a, b in zip(shm, gloo):
+        assert a["losses"] == b["losses"]
+        for k, v in b["weights"].items():
+            assert torch.equal(a["weights"][k], v), k
+    assert not any(r["shares"] for r in gloo)
+    if stage < 3:
+        # one copy of the weights on the host: rank 0's write is what rank 1 reads; destroy() gives each
+        # rank its own copy back, and the model still runs
+        assert all(r["shares"] for r in shm)
+        assert [r["seen_shared"] for r in shm] == [1024.0, 1024.0]
+        assert [r["seen_after_destroy"] for r in shm] == [2048.0, 1024.0]
+        assert gloo[1]["seen_shared"] != 1024.0  # each gloo rank holds its own copy
+        assert all(r["still_trains"] for r in shm)
+    else:
+        # every gather (packed ones too: a unit's shards lie side by side in the partition) and every
+        # reduce-scatter reads its inputs in place: only the norm's all-reduce goes through the slots
+        assert all(all(r["sources_exposed"]) for r in shm)
+        assert all(r["chunks"] == [1, 1, 1] for r in shm), shm[0]["chunks"]

@@ -23,7 +23,8 @@ class GroupPartition:
     overrides: dict = field(default_factory=dict)  # the user's per-group hyper-parameters
     # Where published / gathered weights are read from when the master is not the source: a copy in the
     # compute dtype, on the compute device while NVMe offload swaps the master out between steps, or in
-    # host memory with offload_param "cpu".  None: the master itself is the source (no second copy).
+    # host memory with offload_param "cpu", or exposed to the other ranks of a host at stage 3
+    # (expose_weight_sources).  None: the master itself is the source (no second copy).
     weights: torch.Tensor | None = None
 
     @property
@@ -179,20 +180,24 @@ class Partitions:
                 g.weights.copy_(g.master)
 
     @torch.no_grad()
-    def expose_weight_sources(self) -> None:
+    def expose_weight_sources(self, compute_dtype: torch.dtype) -> None:
         """Move each group's weight source (what stage-3 gathers read) into memory that the other ranks of
         its communicator read in place, where they share this host (a collective: rayzero/comm/shm.py,
-        ExposedRegion).  A gather then copies every rank's shard straight from its owner."""
+        ExposedRegion).  A gather then copies every rank's shard straight from its owner.  Where the
+        compute dtype is not the master's (bf16, fp16) the exposed source is a copy of the partition in the
+        compute dtype, refreshed after each step (``refresh_weights``): converted once a step instead of at
+        every gather, and half the bytes to read."""
         for g in self.groups:
-            src = g.weight_source
-            if g.world == 1 or src.device.type != "cpu":
+            if g.world == 1 or g.master.device.type != "cpu":
                 continue
-            region = g.comm.expose_region(src.numel() * src.element_size())
-            exposed = region.alloc(src.numel(), src.dtype) if region is not None else None
+            src = g.weight_source
+            dtype = compute_dtype if g.weights is None and src.is_floating_point() else src.dtype
+            region = g.comm.expose_region(src.numel() * torch.empty(0, dtype=dtype).element_size())
+            exposed = region.alloc(src.numel(), dtype) if region is not None else None
             if exposed is None:
                 continue
             exposed.copy_(src)
-            if g.weights is not None:
+            if g.weights is not None or dtype != g.master.dtype:
                 g.weights = exposed
             else:
                 g.master = exposed

@@ -222,8 +222,12 @@ class ParamGatherer:
             for p in params:
                 col_of[p] = cols
                 cols += self.partitions.entry_of[p].chunk
-            # packed side by side (host shards: in the staging buffer, then one copy to the device)
-            mine = self.staging.pack([self.partitions.weight_shard(self.partitions.entry_of[p]) for p in params])
+            shards = [self.partitions.weight_shard(self.partitions.entry_of[p]) for p in params]
+            # shards side by side in the partition already (a unit's parameters usually are) are sent from
+            # there; others are packed (host shards: in the staging buffer, then one copy to the device)
+            mine = _adjacent_span(shards, self.compute_dtype, self.partitions.device)
+            if mine is None:
+                mine = self.staging.pack(shards)
             rows = torch.empty((g.world, cols), dtype=self.compute_dtype, device=self.partitions.device)
             launched.append((g.comm.all_gather(rows, mine), rows, params, col_of))
         self.inflight[id(unit)] = launched
@@ -374,6 +378,23 @@ class ParamGatherer:
         self.order = []
         self.managed_set.clear()
         self.gathered.clear()
+
+
+def _adjacent_span(shards: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """One view over ``shards`` when they lie one after another in the same memory, in ``dtype`` on
+    ``device``; None otherwise."""
+    first = shards[0]
+    if first.dtype != dtype or first.device != torch.device(device):
+        return None
+    end = first.data_ptr()
+    for s in shards:
+        if s.dtype != dtype or not s.is_contiguous() or s.data_ptr() != end \
+                or s.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        end += s.numel() * s.element_size()
+    total = sum(s.numel() for s in shards)
+    return torch.empty(0, dtype=dtype, device=first.device).set_(
+        first.untyped_storage(), first.storage_offset(), (total,))
 
 
 def freed_by_destroy(p: torch.Tensor) -> bool:
