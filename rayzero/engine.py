@@ -348,6 +348,7 @@ class Engine:
             self.micro_steps += 1
             return
         start = self._clock()
+        self._checkpoint.before_update()  # an async save has copied the state this step overwrites
         if self.reducer.pending:  # boundary decided after the backward (manual boundaries): reduce now
             self.reducer.reduce_now = True
             self.reducer.flush()

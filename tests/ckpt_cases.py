@@ -113,16 +113,32 @@ def load_and_view(rank, world, stage, save_dir, steps=3, **extra):
     return {"view": view, "after": after, "more": more} if rank == 0 else None
 
 
-def async_vs_sync(rank, world, stage, sync_dir, async_dir):
-    """Save the same step synchronously and asynchronously, training on while the async one writes."""
+def async_vs_sync(rank, world, stage, sync_dir, async_dir, hold_s=0.0):
+    """Save the same step synchronously and asynchronously, training on while the async one writes.
+
+    The async save copies the masters and optimizer states on its own thread; ``hold_s`` makes that
+    thread start late, so the next optimizer step must wait for the copies (or the files would hold the
+    state after it).  Returns how long that step took."""
+    import time
+
+    from rayzero.checkpoint import engine_io
+
     engine = make_engine(stage, world, 12)
     train_steps(engine, rank, world, batches(3, 12))
     engine.save_checkpoint(sync_dir, client_state={"note": "resume here", "step": 3})
-    engine.save_checkpoint(async_dir, client_state={"note": "resume here", "step": 3}, async_save=True)
-    train_steps(engine, rank, world, batches(5, 12)[3:])  # overlaps the background write
+    start_thread = engine_io.BackgroundSave
+    engine_io.BackgroundSave = lambda work: start_thread(lambda: (time.sleep(hold_s), work()))
+    try:
+        engine.save_checkpoint(async_dir, client_state={"note": "resume here", "step": 3}, async_save=True)
+    finally:
+        engine_io.BackgroundSave = start_thread
+    t = time.perf_counter()
+    train_steps(engine, rank, world, batches(4, 12)[3:])  # overlaps the background copies and write
+    first_step_s = time.perf_counter() - t
+    train_steps(engine, rank, world, batches(5, 12)[4:])
     engine.save_checkpoint(sync_dir, tag="later")  # waits for the async save first
     engine.destroy()
-    return True
+    return first_step_s
 
 
 class TiedLM(torch.nn.Module):

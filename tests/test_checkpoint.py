@@ -87,9 +87,12 @@ def _sha(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-def test_async_save_gives_the_same_files_as_sync(tmp_path):
+@pytest.mark.parametrize("hold_s", [0.0, 1.0], ids=["prompt", "copies-held"])
+def test_async_save_gives_the_same_files_as_sync(tmp_path, hold_s):
+    """The async save copies the state on its own thread while training goes on; the next optimizer step
+    waits for those copies (held back 1 s in the second case), so the files are the sync save's, bitwise."""
     sync_dir, async_dir = str(tmp_path / "sync"), str(tmp_path / "async")
-    run_distributed(async_vs_sync, 2, 2, sync_dir, async_dir)
+    first_step_s = run_distributed(async_vs_sync, 2, 2, sync_dir, async_dir, hold_s)
     for r in range(2):
         name = f"rank_{r:05d}.arrow"
         assert _sha(os.path.join(sync_dir, "global_step3", name)) == _sha(os.path.join(async_dir, "global_step3", name))
@@ -98,6 +101,8 @@ def test_async_save_gives_the_same_files_as_sync(tmp_path):
     for key in ("params", "optimizer", "scheduler", "global_steps", "files", "rng", "client_state"):
         assert m_sync[key] == m_async[key], key
     assert open(os.path.join(sync_dir, "latest")).read() == "later"
+    if hold_s:
+        assert min(first_step_s) >= 0.8 * hold_s  # the step waited for the copies
 
 
 def _small_engine(stage=2):

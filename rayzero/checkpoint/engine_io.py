@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import random
+import threading
 import time
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,7 @@ from rayzero.checkpoint.optimizer_load import (
 )
 from rayzero.checkpoint.slices import prod, slice_filler
 from rayzero.parallel.slicing import full_shape_of, layout_dicts, slice_index, splits_of
-from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_dir, write_rank
+from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_dir, wait_discards, write_rank
 
 if TYPE_CHECKING:
     from rayzero.engine import Engine
@@ -101,26 +102,35 @@ def _scalar_states(engine: "Engine") -> dict[int, dict[str, dict]]:
     return out
 
 
-def snapshot(engine: "Engine", staging: dict | None) -> list[Fragment]:
+def snapshot(engine: "Engine", staging: dict | None, later: list | None = None) -> list[Fragment]:
     """This rank's fragments: views of the live tensors, or (``staging`` given, for a save that overlaps
     training) copies in CPU buffers kept from one async save to the next, so that later snapshots are a
-    plain memory copy with no allocation or page faults."""
+    plain memory copy with no allocation or page faults.
+
+    With ``later`` the copies of the masters and optimizer states (all but a few bytes of a checkpoint) are
+    not made here: ``(source, buffer)`` pairs go into ``later`` and the save's own thread copies them while
+    the forward and backward run (nothing changes those tensors before the next optimizer step, which
+    waits for the copies: ``CheckpointIO.before_update``).  Buffers (a forward may update them) and
+    offloaded sub-groups (resident only now) are copied here."""
     frags: list[Fragment] = []
 
-    def take(t: torch.Tensor, key: tuple) -> torch.Tensor:
+    def take(t: torch.Tensor, key: tuple, defer: bool = False) -> torch.Tensor:
         t = t.detach()
         if staging is None:
             return t.to("cpu")
         buf = staging.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = staging[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        buf.copy_(t)
+        if defer and later is not None:
+            later.append((t, buf))
+        else:
+            buf.copy_(t)
         return buf
 
     names = {gi: list(d) for gi, d in _tensor_states(engine).items()}
     for gi, g in enumerate(engine.partitions.groups):
         if not _swapped(engine, gi):
-            frags += _group_fragments(engine, gi, names[gi], take)
+            frags += _group_fragments(engine, gi, names[gi], lambda t, key: take(t, key, defer=True))
         elif staging is not None:  # a save that overlaps training: copied now, one sub-group at a time
             with engine.swap.group_resident(gi):
                 frags += _group_fragments(engine, gi, names[gi], take)
@@ -313,17 +323,25 @@ class CheckpointIO:
     def __init__(self, engine: "Engine"):
         self.engine = engine
         self.pending: BackgroundSave | None = None
+        self._copied: threading.Event | None = None  # set once an async save's deferred copies are made
         self.staging: dict = {}  # async saves' CPU copies, reused across saves; freed by release()
 
     def wait(self) -> None:
         """Settle an in-flight save on every rank; a failure on any rank raises on all of them."""
         error = self.pending.wait() if self.pending is not None else None
-        self.pending = None
+        self.pending, self._copied = None, None
+        wait_discards()  # a replaced copy of a re-saved tag is gone
         failed = self.engine.comm.any_rank(error is not None)
         if error is not None:
             raise CheckpointError(f"saving the checkpoint failed on rank {self.engine.rank}: {error}") from error
         if failed:
             raise CheckpointError("saving the checkpoint failed on another rank (see its error)")
+
+    def before_update(self) -> None:
+        """Before anything overwrites the masters or the optimizer state: an async save has copied them."""
+        if self._copied is not None:
+            self._copied.wait()
+            self._copied = None
 
     def release(self) -> None:
         self.staging.clear()
@@ -332,7 +350,8 @@ class CheckpointIO:
         """Process exit: finish the local part of a save without collectives."""
         if self.pending is not None:
             self.pending.wait()
-            self.pending = None
+            self.pending, self._copied = None, None
+        wait_discards()
 
     def save(self, save_dir: str, tag: str | None, client_state: Any, async_save: bool) -> str:
         engine = self.engine
@@ -356,7 +375,10 @@ class CheckpointIO:
                 f"cannot create checkpoint directory under {save_dir!r}: {error or 'failed on rank 0'}; "
                 "check the path and its permissions"
             )
-        fragments = snapshot(engine, self.staging if async_save else None)
+        # an async save copies the state on its own thread, unless NVMe offload may move it before the step
+        later: list = []
+        defer = async_save and getattr(engine, "swap", None) is None and engine.partitions.param_swap is None
+        fragments = snapshot(engine, self.staging if async_save else None, later if defer else None)
         extra = {"rng": _rng_state(engine.accelerator)}
         world, rank = engine.comm.world, engine.rank
         # The manifest's contents are taken now, so a save that overlaps training records this step.
@@ -370,13 +392,23 @@ class CheckpointIO:
         swap = getattr(engine, "swap", None)
         open_group = swap.group_resident if swap is not None and not async_save else None
 
+        copied = threading.Event()
+
         def work() -> None:
+            try:
+                with torch.no_grad():
+                    for source, buf in later:
+                        buf.copy_(source)
+            finally:
+                later.clear()
+                copied.set()
             write_rank(storage, staging_dir(storage, tag), rank, fragments, extra, open_group)
             fragments.clear()
             if rank == 0:
                 commit(storage, tag, world, with_ranks)
 
         if async_save:
+            self._copied = copied
             self.pending = BackgroundSave(work)
         else:
             try:

@@ -169,6 +169,8 @@ def _batch(schema: pa.Schema, entry: dict, raw: np.ndarray) -> pa.RecordBatch:
 
 # direct reads go in pieces this large: each is hashed while it is still in the CPU's cache
 READ_PIECE = 2 << 20
+# and each read asks the kernel to fetch this much past the fragment too
+READ_AHEAD = 16 << 20
 
 
 class FragmentFile:
@@ -253,7 +255,9 @@ class FragmentFile:
         digest = xxhash.xxh3_64()
         fd = os.open(self.path, os.O_RDONLY)
         try:
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)  # start reading ahead of us
+            # start the disk reading ahead of us: this fragment and the next bytes of the file (a load reads
+            # fragments in the order they were saved, so a cold read never waits between two of them)
+            os.posix_fadvise(fd, offset, nbytes + READ_AHEAD, os.POSIX_FADV_WILLNEED)
             at = 0
             while at < nbytes:
                 piece = view[at : min(at + READ_PIECE, nbytes)]

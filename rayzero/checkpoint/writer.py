@@ -9,7 +9,9 @@ Commit protocol (no collectives, so it can run on a background thread while trai
    ``rank_XXXXX.done.json`` marker with its size, XXH3 hash and RNG state (or ``rank_XXXXX.error.json``);
 3. rank 0 waits for every marker, writes ``manifest.json`` (synced, renamed into place), renames the
    staging directory to ``<dir>/<tag>`` (re-saving a tag: the old ``<tag>`` is renamed to ``.old-<tag>``
-   first and deleted after) and only then moves ``<dir>/latest`` to the new tag.
+   first) and only then moves ``<dir>/latest`` to the new tag.  A replaced ``.old-<tag>`` is deleted on a
+   background thread after the commit (freeing a large file's cached pages takes a while, and the save is
+   already durable); the next save's ``prepare()`` and the engine's checkpoint wait points wait for it.
 
 A crash at any moment leaves ``latest`` naming a complete checkpoint: the previous one, or, when the save
 re-used the tag ``latest`` names, that tag's old or new copy.  A crash between the two renames of a re-save
@@ -95,6 +97,7 @@ def prepare(storage: Storage, tag: str) -> None:
 
     Only directories rayzero itself marked as unfinished are ever removed, never other data, and never the
     only complete copy of a tag (``recover()`` puts such a copy back in place first)."""
+    wait_discards()
     storage.makedirs(storage.root)
     recover(storage)
     for name in storage.listdir(storage.root):
@@ -193,6 +196,7 @@ def commit(
     if not storage.local:
         storage.fs.delete_file(f"{stage}/{INCOMPLETE}")
     crash_point("manifest_written", tag)
+    old = None
     if storage.local:
         final = storage.join(tag)
         if storage.exists(final):  # re-saving a tag: move the old one aside, then drop it after the switch
@@ -201,12 +205,36 @@ def commit(
             crash_point("old_moved_aside", tag)
             _publish(storage, stage, final)
             crash_point("new_in_place", tag)
-            storage.delete_dir(old)
         else:
             _publish(storage, stage, final)
     crash_point("before_latest", tag)
     storage.write_bytes_atomic(storage.join(LATEST), tag.encode())
     crash_point("committed", tag)
+    if old is not None:
+        discard_later(storage, old)
+
+
+_discards: list[threading.Thread] = []
+
+
+def discard_later(storage: Storage, path: str) -> None:
+    """Delete ``path`` (a replaced copy, no longer named by anything) on a background thread."""
+    t = threading.Thread(target=_discard, args=(storage, path), name="rayzero-checkpoint-discard", daemon=True)
+    t.start()
+    _discards.append(t)
+
+
+def _discard(storage: Storage, path: str) -> None:
+    try:
+        storage.delete_dir(path)
+    except OSError:
+        pass  # what is left is removed by the next save's prepare()
+
+
+def wait_discards() -> None:
+    """Wait until every replaced copy this process started deleting is gone."""
+    while _discards:
+        _discards.pop(0).join()
 
 
 def _publish(storage: Storage, stage: str, final: str) -> None:
