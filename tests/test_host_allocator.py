@@ -1,11 +1,17 @@
-"""The host allocator (rayzero/accelerator/host_allocator.py): with freed memory kept for reuse, a stage-3
-step on CPU stops faulting in fresh pages for its gathered parameters; the same run with it turned off
-faults them in every step. Training is the same either way."""
+"""The host allocator (rayzero/accelerator/host_allocator.py): with freed memory kept for reuse, a step's
+pattern of allocations (several multi-MiB tensors freed together, as stage 3 frees a unit's gathered
+parameters) stops faulting in fresh pages; with it turned off glibc hands the memory back and faults it in
+again every time. Training is the same either way.
+
+The engine itself now takes most of its large buffers from shared memory or pools it keeps (bucket rows,
+exposed weight sources), so its own fault count no longer shows the difference reliably: the allocator is
+checked on the pattern directly, the engine on its results."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -46,12 +52,47 @@ def _train(rank: int, world: int, keep: str) -> dict:
     return out
 
 
-def test_kept_memory_ends_the_page_faults_of_stage3_gathers():
-    kept = run_distributed(_train, 2, "1")
-    off = run_distributed(_train, 2, "0")
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _unit_cycles(rank: int, world: int, keep: str) -> dict:
+    """Allocate, touch and free five 4 MiB tensors together, 12 times: how much of the first cycle's memory
+    stays resident after its free, and the minor faults per cycle after the first two."""
+    os.environ["RAYZERO_KEEP_FREED_MEMORY"] = keep
+    for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
+        os.environ.pop(k, None)
+    from rayzero.accelerator.host_allocator import keep_freed_memory
+
+    applied = keep_freed_memory()
+    before = _resident_bytes()
+    for cycle in range(12):
+        if cycle == 2:
+            start = _minor_faults()
+        unit = [torch.empty(1 << 20).fill_(1.0) for _ in range(5)]  # 4 MiB each, every page touched
+        del unit
+        if cycle == 0:
+            kept_bytes = _resident_bytes() - before
+    return {"faults": (_minor_faults() - start) / 10, "kept_bytes": kept_bytes, "applied": applied}
+
+
+def test_kept_memory_ends_the_page_faults_of_freed_units():
+    kept, = run_distributed(_unit_cycles, 1, "1", init_pg=False)
+    off, = run_distributed(_unit_cycles, 1, "0", init_pg=False)
+    assert kept["applied"] and kept["applied"]["mmap_threshold"] == 32 << 20 and off["applied"] is None
+    # glibc's defaults give the freed 20 MiB back to the OS at once; kept, it stays for the next unit, which
+    # then faults nothing in (5 x 4 MiB = 5,120 pages a cycle otherwise)
+    assert off["kept_bytes"] < 4 << 20, off
+    assert kept["kept_bytes"] > 16 << 20, kept
+    assert off["faults"] > 2000, off
+    assert kept["faults"] < off["faults"] / 10, (kept, off)
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_stage3_trains_the_same_with_and_without_kept_memory(shm):
+    kept = run_distributed(_train, 2, "1", env={"RAYZERO_SHM": shm})
+    off = run_distributed(_train, 2, "0", env={"RAYZERO_SHM": shm})
     for a, b in zip(kept, off):
         assert a["applied"] and a["applied"]["mmap_threshold"] == 32 << 20 and b["applied"] is None
         assert a["losses"] == b["losses"]
-        # a step gathers ~17 MiB of weights twice (~8,000 fresh pages when they are given back)
-        assert b["faults"] > 2000, b
-        assert a["faults"] < b["faults"] / 5, (a, b)
