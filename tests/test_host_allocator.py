@@ -81,12 +81,13 @@ def test_kept_memory_ends_the_page_faults_of_freed_units():
     kept, = run_distributed(_unit_cycles, 1, "1", init_pg=False)
     off, = run_distributed(_unit_cycles, 1, "0", init_pg=False)
     assert kept["applied"] and kept["applied"]["mmap_threshold"] == 32 << 20 and off["applied"] is None
-    # glibc's defaults give the freed 20 MiB back to the OS at once; kept, it stays for the next unit, which
-    # then faults nothing in (5 x 4 MiB = 5,120 pages a cycle otherwise)
+    # glibc's defaults give the first cycle's 20 MiB back to the OS at once; kept, it stays for the next
+    # unit, which then faults nothing in (5 x 4 MiB = 5,120 pages a cycle if it had gone back).  (Later
+    # cycles under glibc's defaults depend on its dynamic thresholds and on what else lies on the heap:
+    # sometimes trimmed and faulted in again, sometimes not, so they are not compared.)
     assert off["kept_bytes"] < 4 << 20, off
     assert kept["kept_bytes"] > 16 << 20, kept
-    assert off["faults"] > 2000, off
-    assert kept["faults"] < off["faults"] / 10, (kept, off)
+    assert kept["faults"] < 100, kept
 
 
 @pytest.mark.parametrize("shm", ["1", "0"])
