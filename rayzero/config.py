@@ -188,6 +188,9 @@ class ZeroConfig(_Section):
     # separated by commas ("LlamaDecoderLayer")
     stage3_gather_unit: str = "auto"
     stage3_param_persistence_threshold: int = 100_000
+    # stage 3 where a communicator's ranks share one host: keep one copy of the weights they all map instead
+    # of gathering (zero/stage3.py).  None: where that costs no more memory than gathering
+    stage3_share_weights: bool | None = None
     # None: 1e9 elements, or with NVMe optimizer offload 1/16 of the rank's partition (offload/optimizer.py)
     sub_group_size: int | None = None
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)

@@ -166,9 +166,6 @@ class Engine:
                     p.data = torch.zeros(1, dtype=self.compute_dtype, device=device).expand(p.shape)
                 del p._rayzero_shard
 
-        if self.stage == 3 and not offload and z.offload_param.device == "none":
-            # gathers copy every rank's shard from where its owner keeps it (ranks on one host)
-            self.partitions.expose_weight_sources(self.compute_dtype)
         self.gatherer: ParamGatherer | None = None
         if self.stage == 3:
             self.gatherer = ParamGatherer(
@@ -192,14 +189,27 @@ class Engine:
             self.topology.dp,
             on_param_reduced=self.gatherer.on_param_reduced if self.gatherer else None,
         )
+        # stage 3 on one host: the ranks may keep one copy of the weights instead of gathering them
+        share3 = (self.gatherer is not None and z.offload_param.device == "none" and device.type == "cpu"
+                  and (z.stage3_share_weights if z.stage3_share_weights is not None
+                       else self.gatherer.sharing_costs_no_more(self.compute_dtype)))
         self.publisher = WeightPublisher(
             self.partitions,
             self.buckets.allgather_bucket_size,
             self.compute_dtype,
-            params=self.gatherer.persistent if self.gatherer is not None else None,
-            # stages 1-2: the ranks of a host keep one copy of the weights (zero/publish.py)
-            share=self.stage in (1, 2),
+            params=None if share3 else self.gatherer.persistent if self.gatherer is not None else None,
+            # stages 1-2 (and stage 3 where chosen): the ranks of a host keep one copy of the weights
+            # (zero/publish.py)
+            share=self.stage in (1, 2) or share3,
+            only_if_shared=set(self.gatherer.managed) if share3 else None,
         )
+        if share3:
+            self.gatherer.adopt(self.publisher.shared_params)
+        if self.gatherer is not None and not offload and z.offload_param.device == "none":
+            # gathers copy every rank's shard from where its owner keeps it (ranks on one host); a group
+            # whose weights its ranks share is never gathered from
+            gathered = [g for g in self.partitions.groups if any(p in self.gatherer.managed_set for p in g.params)]
+            self.partitions.expose_weight_sources(self.compute_dtype, gathered)
         # Stage 0 in fp32: the parameters themselves become views of the master, so the optimizer updates
         # them in place and there is nothing to publish (and no second fp32 copy of the weights).
         self._params_alias_master = self.stage == 0 and self.compute_dtype == torch.float32
@@ -555,7 +565,9 @@ class Engine:
         self._close_swap()  # the rank's swap files go with the engine
         _live_engines.discard(self)
         self.reducer.remove_hooks()
-        self.publisher.unshare()  # the model outlives the engine: each rank keeps its own weights
+        # the model outlives the engine: each rank keeps its own weights (stage 3's shared ones become
+        # stand-ins below, as gathered ones do)
+        self.publisher.unshare(drop=self.gatherer.shared if self.gatherer is not None else ())
         if self.gatherer is not None:
             self.gatherer.close()  # stage 3: frees the gathered parameters, gathers nothing
         self.optimizer.state.clear()

@@ -171,10 +171,11 @@ def shared_tensor_case(rank: int, world: int) -> dict:
     return {"seen": t.clone()}
 
 
-def engine_on_one_host(rank: int, world: int, stage: int, dtype: str) -> dict:
+def engine_on_one_host(rank: int, world: int, stage: int, dtype: str, share: bool | None = None) -> dict:
     """An engine whose ranks share a host: stages 1-2 keep one copy of the weights that every rank maps,
-    stage 3 gathers from masters the other ranks read in place.  Returns what it trained, how it held
-    memory, and (stages 1-2) whether a write by rank 0 reaches rank 1 before and after ``destroy``."""
+    stage 3 too where ``zero_optimization.stage3_share_weights`` (``share``) says so, else gathers from
+    masters the other ranks read in place.  Returns what it trained, how it held memory, and (shared
+    weights) whether a write by rank 0 reaches rank 1 before and (stages 1-2) after ``destroy``."""
     import torch.distributed as dist
 
     import rayzero
@@ -184,7 +185,9 @@ def engine_on_one_host(rank: int, world: int, stage: int, dtype: str) -> dict:
                                 torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     zero = {"stage": stage, "reduce_bucket_size": 20_000, "allgather_bucket_size": 20_000}
     if stage == 3:
-        zero["stage3_param_persistence_threshold"] = 0  # every parameter is gathered
+        zero["stage3_param_persistence_threshold"] = 0  # every parameter is gathered (or shared)
+        if share is not None:
+            zero["stage3_share_weights"] = share
     cfg = {"train_batch_size": 4 * world, "zero_optimization": zero, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
     if dtype == "bf16":
@@ -206,21 +209,53 @@ def engine_on_one_host(rank: int, world: int, stage: int, dtype: str) -> dict:
     regions = getattr(transport, "_regions", [])
     out["sources_exposed"] = [any(r.offset_of(grp.weight_source) is not None for r in regions)
                               for grp in engine.partitions.groups]
-    if stage < 3:
-        first = next(engine.module.parameters())
+    first = next(engine.module.parameters())
 
-        def seen_after_rank0_writes(value: float) -> float:
-            dist.barrier()
-            if rank == 0:
-                with torch.no_grad():
-                    first.view(-1)[0] = value
-            dist.barrier()
-            return first.view(-1)[0].item()
+    def seen_after_rank0_writes(value: float) -> float:
+        dist.barrier()
+        if rank == 0:
+            with torch.no_grad():
+                first.view(-1)[0] = value
+        dist.barrier()
+        return first.view(-1)[0].item()
 
+    if stage == 3:
+        out["units"] = len(engine.gatherer.units)
+        if engine.publisher.shares_weights:
+            out["seen_shared"] = seen_after_rank0_writes(1024.0)
+        engine.destroy()
+        out["destroyed_left_stand_ins"] = all(p.numel() == 0 or p.untyped_storage().nbytes() <= 4
+                                             for p in engine.module.parameters())
+    else:
         out["seen_shared"] = seen_after_rank0_writes(1024.0)
         engine.destroy()
         out["seen_after_destroy"] = seen_after_rank0_writes(2048.0)
         out["still_trains"] = bool(torch.isfinite(engine.module(torch.ones(2, 64, dtype=first.dtype))).all())
-    else:
-        engine.destroy()
+    return out
+
+
+def stage3_share_choice(rank: int, world: int, layers: int, dtype: str, prefetch: int | None) -> dict:
+    """Whether a stage-3 engine on one host chose to share its weights (``stage3_share_weights`` unset),
+    for ``layers`` equal 64x64 leaf units, and the losses of two steps."""
+    import rayzero
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(layers)])
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if prefetch is not None:
+        zero["stage3_prefetch_bucket_size"] = prefetch
+    cfg = {"train_batch_size": 4 * world, "zero_optimization": zero,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine = rayzero.initialize(model, cfg)
+    out = {"shares": engine.publisher.shares_weights, "units": len(engine.gatherer.units), "losses": []}
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(4 * world, 64, generator=g)[rank * 4 : rank * 4 + 4]
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        out["losses"].append(loss.item())
+    engine.destroy()
     return out

@@ -76,11 +76,13 @@ def test_a_shared_tensor_is_one_memory_on_every_rank():
         assert torch.equal(r["seen"], torch.tensor([10.0] * 3 + [11.0] * 3 + [12.0] * 3))
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_an_engine_on_one_host_shares_weights_and_trains_like_gloo(stage, dtype):
-    shm = run_distributed(shm_cases.engine_on_one_host, 2, stage, dtype, env={"RAYZERO_SHM": "1"})
-    gloo = run_distributed(shm_cases.engine_on_one_host, 2, stage, dtype, env={"RAYZERO_SHM": "0"})
+@pytest.mark.parametrize("stage,dtype,share", [
+    (1, "fp32", None), (1, "bf16", None), (2, "fp32", None), (2, "bf16", None),
+    # stage 3 shares its weights where that costs no more memory than gathering (here: both dtypes)
+    (3, "fp32", None), (3, "bf16", None), (3, "fp32", False), (3, "bf16", False)])
+def test_an_engine_on_one_host_shares_weights_and_trains_like_gloo(stage, dtype, share):
+    shm = run_distributed(shm_cases.engine_on_one_host, 2, stage, dtype, share, env={"RAYZERO_SHM": "1"})
+    gloo = run_distributed(shm_cases.engine_on_one_host, 2, stage, dtype, share, env={"RAYZERO_SHM": "0"})
     assert [r["transport"] for r in shm] == ["ShmTransport"] * 2
     assert [r["transport"] for r in gloo] != ["ShmTransport"] * 2
     # two ranks: every sum has one order, so the transports train bitwise alike
@@ -97,8 +99,34 @@ def test_an_engine_on_one_host_shares_weights_and_trains_like_gloo(stage, dtype)
         assert [r["seen_after_destroy"] for r in shm] == [2048.0, 1024.0]
         assert gloo[1]["seen_shared"] != 1024.0  # each gloo rank holds its own copy
         assert all(r["still_trains"] for r in shm)
+    elif share is not False:
+        # one copy of the weights on the host and nothing to gather; gloo gathers
+        assert all(r["shares"] for r in shm)
+        assert [r["seen_shared"] for r in shm] == [1024.0, 1024.0]
+        assert [r["units"] for r in shm] == [0, 0] and all(r["units"] > 0 for r in gloo)
+        assert not any(any(r["sources_exposed"]) for r in shm)  # no gather reads them
+        # through the slots: the norm's all-reduce and publishing's two barriers (one-element all-reduces)
+        assert all(r["chunks"] == [3, 3, 3] for r in shm), shm[0]["chunks"]
+        assert all(r["destroyed_left_stand_ins"] for r in shm + gloo)
     else:
         # every gather (packed ones too: a unit's shards lie side by side in the partition) and every
         # reduce-scatter reads its inputs in place: only the norm's all-reduce goes through the slots
+        assert not any(r["shares"] for r in shm) and all(r["units"] > 0 for r in shm)
         assert all(all(r["sources_exposed"]) for r in shm)
         assert all(r["chunks"] == [1, 1, 1] for r in shm), shm[0]["chunks"]
+        assert all(r["destroyed_left_stand_ins"] for r in shm + gloo)
+
+
+@pytest.mark.parametrize("layers,dtype,prefetch,shares", [
+    (3, "fp32", None, True),  # a rank's shards (1.5 units) fit in the largest unit + two units of prefetch
+    (8, "fp32", None, False),  # 4 units' worth of shards: more than gathering holds (3)
+    (8, "fp32", 4 * 64 * 64, True),  # a larger prefetch budget holds them
+    (8, "bf16", None, True),  # 16-bit: the shared shards replace the gathers' compute-dtype partition
+])
+def test_stage3_shares_weights_on_a_host_where_that_costs_no_more_memory(layers, dtype, prefetch, shares):
+    shm = run_distributed(shm_cases.stage3_share_choice, 2, layers, dtype, prefetch, env={"RAYZERO_SHM": "1"})
+    gloo = run_distributed(shm_cases.stage3_share_choice, 2, layers, dtype, prefetch, env={"RAYZERO_SHM": "0"})
+    assert [r["shares"] for r in shm] == [shares, shares]
+    assert [r["units"] for r in shm] == ([0, 0] if shares else [layers, layers])
+    assert not any(r["shares"] for r in gloo) and all(r["units"] == layers for r in gloo)
+    assert [r["losses"] for r in shm] == [r["losses"] for r in gloo]  # sharing or gathering: bitwise alike

@@ -118,7 +118,9 @@ def _world2_checks(rank, world):
     from rayzero.zero.stage3 import freed_by_destroy
 
     out = {}
-    cfg = {"train_batch_size": 2 * world, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100}}
+    # gathered even where the ranks share a host: these checks are about what gathers hold
+    cfg = {"train_batch_size": 2 * world, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 100,
+                                                                "stage3_share_weights": False}}
 
     # (a) set-up under zero_init: no allocation as large as the largest managed parameter
     with rayzero.zero_init(seed=0):
@@ -166,7 +168,8 @@ def _world2_checks(rank, world):
     # (c) streaming: the bytes alive at once while iterating stay at about one parameter
     torch.manual_seed(0)
     eight = torch.nn.Sequential(*[torch.nn.Linear(128, 128, bias=False) for _ in range(8)])
-    engine = rayzero.initialize(eight, dict(cfg, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0}))
+    engine = rayzero.initialize(eight, dict(cfg, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                                       "stage3_share_weights": False}))
     engine.backward(engine(torch.randn(2, 128)).pow(2).mean())
     engine.step()
     names = []

@@ -180,14 +180,14 @@ class Partitions:
                 g.weights.copy_(g.master)
 
     @torch.no_grad()
-    def expose_weight_sources(self, compute_dtype: torch.dtype) -> None:
+    def expose_weight_sources(self, compute_dtype: torch.dtype, groups: list[GroupPartition] | None = None) -> None:
         """Move each group's weight source (what stage-3 gathers read) into memory that the other ranks of
         its communicator read in place, where they share this host (a collective: rayzero/comm/shm.py,
         ExposedRegion).  A gather then copies every rank's shard straight from its owner.  Where the
         compute dtype is not the master's (bf16, fp16) the exposed source is a copy of the partition in the
         compute dtype, refreshed after each step (``refresh_weights``): converted once a step instead of at
-        every gather, and half the bytes to read."""
-        for g in self.groups:
+        every gather, and half the bytes to read.  ``groups``: only these (the ranks of each decide alike)."""
+        for g in self.groups if groups is None else groups:
             if g.world == 1 or g.master.device.type != "cpu":
                 continue
             src = g.weight_source

@@ -9,7 +9,9 @@ all: at set-up the parameters of that domain move into one tensor every rank map
 (``Communicator.shared_tensor``), and publishing is each rank writing its own shard of every parameter
 into it, between two barriers (no rank still reads the old weights when the first rank writes; no rank
 runs a forward before the last rank has written).  Nothing is gathered and the host keeps one copy of the
-weights instead of one per rank.  ``Engine.destroy`` gives every rank a private copy back.
+weights instead of one per rank.  ``Engine.destroy`` gives every rank a private copy back.  Stage 3 does the
+same where ``zero_optimization.stage3_share_weights`` says so (zero/stage3.py): its parameters that could
+not be shared (a communicator across hosts) are left out of publishing (``only_if_shared``) and gathered.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class WeightPublisher:
         compute_dtype: torch.dtype,
         params: set[torch.nn.Parameter] | None = None,
         share: bool = False,
+        only_if_shared: set[torch.nn.Parameter] | None = None,
     ):
         self.partitions = partitions
         self.compute_dtype = compute_dtype
@@ -67,8 +70,13 @@ class WeightPublisher:
         # parameters whose storage every rank of their communicator shares: (world, chunk) rows of it
         self._shared_rows: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._shared_comms: list[Communicator] = []
-        if share and params is None:
+        if share:
             self._share_weights()
+        if only_if_shared:
+            # (stage 3) these are published only where a host's ranks share them; elsewhere they are gathered
+            self.buckets = [(g, kept) for g, members in self.buckets
+                            if (kept := [(e, p) for e, p in members
+                                         if p in self._shared_rows or p not in only_if_shared])]
 
     # ---- weights shared by the ranks of a host -------------------------------------------------------------
     def _share_weights(self) -> None:
@@ -110,14 +118,21 @@ class WeightPublisher:
         return all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
 
     @property
+    def shared_params(self) -> list[torch.nn.Parameter]:
+        return list(self._shared_rows)
+
+    @property
     def shares_weights(self) -> bool:
         return bool(self._shared_rows)
 
-    def unshare(self) -> None:
-        """Give every shared parameter a private copy of its current value (no collective)."""
+    def unshare(self, drop=()) -> None:
+        """Give every shared parameter a private copy of its current value (no collective); those in
+        ``drop`` (stage 3's, about to become stand-ins) get none."""
+        drop = set(drop)
         with torch.no_grad():
             for p in self._shared_rows:
-                p.data = p.data.clone()
+                if p not in drop:
+                    p.data = p.data.clone()
         self._shared_rows.clear()
         self._shared_comms = []
 

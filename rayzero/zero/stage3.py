@@ -26,6 +26,13 @@ forward that skipped it) is released as soon as the pass is beyond it.  The last
 many as fit in the same budget, stay gathered for the backward that starts with them.  Parameters at or
 under ``stage3_param_persistence_threshold`` elements stay whole on every rank and are refreshed after
 each step like stage 1/2 weights.
+
+Where every rank of a communicator runs on one host, its ranks may instead keep one copy of the weights
+they all map (``zero_optimization.stage3_share_weights``; zero/publish.py): each rank's part of it is its
+own shards, so it still holds 1/W of the weights, and nothing is gathered.  The engine hands the
+parameters it shared to :meth:`ParamGatherer.adopt`: they are whole for good, and a unit left without
+parameters loses its hooks.  Unset, the key shares where that costs no more memory than gathering
+(:meth:`ParamGatherer.sharing_costs_no_more`).
 """
 
 from __future__ import annotations
@@ -162,6 +169,7 @@ class ParamGatherer:
                 self.units.append(unit)
         # how far ahead to gather: units while their elements fit (None: two of the largest units)
         largest = max((u.numel for u in self.units), default=0)
+        self._derived_prefetch = prefetch_elements is None
         self.prefetch_elements = 2 * largest if prefetch_elements is None else prefetch_elements
         self.ahead: dict[int, Unit] = {}  # units gathered ahead, not used yet
         self.kept_for_backward: set[int] = set()  # units a forward leaves gathered (end_first_step)
@@ -171,6 +179,48 @@ class ParamGatherer:
         self._shared = {p for p, n in units_of.items() if n > 1}
         self.order: list[Unit] = []
         self.recording = True
+        # parameters whose one host copy every rank maps (``adopt``): whole for good, never gathered
+        self.shared: set[torch.nn.Parameter] = set()
+        self.dropped_units: list[Unit] = []  # units whose parameters are all shared (destroy still guards them)
+
+    def sharing_costs_no_more(self, compute_dtype: torch.dtype) -> bool:
+        """Whether a rank's part of one host copy of the weights (its shards, in the compute dtype) takes no
+        more memory than gathering would: in bf16/fp16 it replaces the compute-dtype weight partition the
+        gathers read, byte for byte; in fp32 (whose gathers read the masters) it must fit in what the
+        gathers hold at once, the largest unit and the prefetch budget."""
+        if compute_dtype != torch.float32:
+            return True
+        mine = sum(self.partitions.entry_of[p].chunk for p in self.managed)
+        return mine <= max((u.numel for u in self.units), default=0) + self.prefetch_elements
+
+    def adopt(self, params) -> None:
+        """``params`` are whole for good now (views of the weights the ranks of a host share,
+        zero/publish.py): they leave the managed set, units lose them, and a unit left with none stops
+        gathering (its hooks go)."""
+        params = [p for p in params if p in self.managed_set]
+        if not params:
+            return
+        gone = set(params)
+        self.shared |= gone
+        self.managed = [p for p in self.managed if p not in gone]
+        self.managed_set -= gone
+        for p in gone:
+            self._storage.pop(p, None)
+        kept = []
+        for u in self.units:
+            u.params = [p for p in u.params if p not in gone]
+            u.numel = sum(self.partitions.entry_of[p].padded_numel for p in u.params)
+            if u.params:
+                kept.append(u)
+            else:
+                for h in u.hooks:
+                    h.remove()
+                u.hooks = []
+                self.dropped_units.append(u)
+        self.units = kept
+        self._shared -= gone
+        if self._derived_prefetch:
+            self.prefetch_elements = 2 * max((u.numel for u in self.units), default=0)
 
     # ---- storage ---------------------------------------------------------------------------------------
     def _whole(self, p: torch.nn.Parameter) -> torch.Tensor:
@@ -368,15 +418,17 @@ class ParamGatherer:
             self._free(p)
         self._storage.clear()
         stand_in = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.partitions.device)
-        for p in self.managed:
+        for p in self.managed + list(self.shared):
             p.data = stand_in.expand(self.partitions.entry_of[p].shape)
             p._rayzero_destroyed = True
-        for u in self.units:
+        for u in self.units + self.dropped_units:
             handle: list = []
             handle.append(u.module.register_forward_pre_hook(functools.partial(_destroyed_guard, handle)))
         self.units = []
+        self.dropped_units = []
         self.order = []
         self.managed_set.clear()
+        self.shared.clear()
         self.gathered.clear()
 
 
