@@ -408,9 +408,9 @@ def system_specs(world: int, memory: bool = False) -> list[dict]:
     if not memory:  # config defaults, but gathering leaf module by leaf module instead of block by block
         specs.append(dict(name="rayzero stage 3, config defaults, leaf units", kind="rayzero", world=world, stage=3,
                           theory_stage=3, defaults=True, zero={"stage3_gather_unit": "module"}))
-    if not memory:  # config defaults, the ranks of the host sharing one copy of the weights (fp32: opt-in)
-        specs.append(dict(name="rayzero stage 3, config defaults, shared weights", kind="rayzero", world=world,
-                          stage=3, theory_stage=3, defaults=True, zero={"stage3_share_weights": True}))
+    if not memory:  # config defaults, but gathering even on one host (what stage 3 does across hosts)
+        specs.append(dict(name="rayzero stage 3, config defaults, gathered", kind="rayzero", world=world,
+                          stage=3, theory_stage=3, defaults=True, zero={"stage3_share_weights": False}))
     if not memory:  # the same config defaults with "graph_capture" on (compiled during the warm-up steps)
         for s in (1, 2, 3):
             specs.append(dict(name=f"rayzero stage {s}, graph capture", kind="rayzero", world=world, stage=s,
