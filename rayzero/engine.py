@@ -37,7 +37,7 @@ from rayzero.parallel.state import ParallelState
 from rayzero.topology import ParallelDims
 from rayzero.zero.buckets import engine_bucket_plan
 from rayzero.zero.partition import Partitions
-from rayzero.zero.publish import WeightPublisher
+from rayzero.zero.publish import ALIAS_ALONE_FROM, WeightPublisher
 from rayzero.zero.reducer import GradientReducer
 from rayzero.zero.init import materialize_frozen
 from rayzero.zero.stage3 import ParamGatherer, freed_by_destroy
@@ -138,8 +138,14 @@ class Engine:
                                              if not hasattr(p, "_rayzero_shard"))
         world_of = lambda p: self.parallel.domain_of(p).comm.world if self.stage else 1
         check_model_states_fit(cfg, params, world_of, self.stage, device.type, self.offload_device, kept)
+        # Stages 1-2 in fp32 with the ranks of a host sharing one copy of the weights (zero/publish.py): a
+        # large parameter gets a partition group of its own, whose master is then the rank's row of the
+        # shared weights, so the optimizer updates them in place and publishing copies nothing.
+        alias = (self.stage in (1, 2) and self.compute_dtype == torch.float32 and device.type == "cpu"
+                 and not offload and z.offload_param.device == "none" and self._weights_can_be_shared(params))
         self.partitions = Partitions(
             groups, names, self.parallel.domain_of, partitioned=self.stage >= 1, device=device,
+            alone_from=ALIAS_ALONE_FROM if alias else None,
             sub_group_size=sub_group_size(
                 cfg, sum(-(-p.numel() // world_of(p)) for p in params), self.offload_device == "nvme"),
             state_device=torch.device("cpu") if offload else None,
@@ -202,6 +208,7 @@ class Engine:
             # (zero/publish.py)
             share=self.stage in (1, 2) or share3,
             only_if_shared=set(self.gatherer.managed) if share3 else None,
+            alias_masters=alias,
         )
         if share3:
             self.gatherer.adopt(self.publisher.shared_params)
@@ -271,6 +278,16 @@ class Engine:
         self._rank_swap = self.swap = None
 
     # ---- set-up helpers --------------------------------------------------------------------------------
+    def _weights_can_be_shared(self, params: list[torch.nn.Parameter]) -> bool:
+        """Whether some communicator that partitions ``params`` has all its ranks on one host (asked of every
+        communicator, in parameter order, so that every rank takes part in each one's first check)."""
+        comms = {}
+        for p in params:
+            comm = self.parallel.domain_of(p).comm
+            if comm.world > 1:
+                comms.setdefault(id(comm), comm)
+        return any([c.shares_memory() for c in comms.values()])
+
     @staticmethod
     def _plan_topology(cfg: Config, world_size: int) -> ParallelDims:
         tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size

@@ -259,3 +259,55 @@ def stage3_share_choice(rank: int, world: int, layers: int, dtype: str, prefetch
         out["losses"].append(loss.item())
     engine.destroy()
     return out
+
+
+def aliased_masters(rank: int, world: int, stage: int, ckpt_dir: str) -> dict:
+    """Stages 1-2 in fp32 on one host: a large parameter's master is the rank's row of the weights the ranks
+    share, so the optimizer updates the model in place.  Trains three steps of two micro-batches, saves,
+    trains one more, loads the save back; returns the losses, weights, which masters alias the shared
+    weights, and the model's output right after the save and right after the load."""
+    import rayzero
+
+    torch.manual_seed(0)
+    # 512 x 512 = 131,072 elements a rank: its own partition group, aliased; the others are small
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                                torch.nn.GELU(), torch.nn.Linear(512, 64))
+    cfg = {"train_batch_size": 8 * world, "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine = rayzero.initialize(model, cfg)
+    g = torch.Generator().manual_seed(1)
+    probe = torch.randn(3, 64, generator=g)
+    losses, norms = [], []
+
+    def train_step() -> None:
+        for _ in range(2):
+            x = torch.randn(4 * world, 64, generator=g)[rank * 4 : rank * 4 + 4]
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        norms.append(engine.global_grad_norm)
+
+    for _ in range(3):
+        train_step()
+    aliased = []
+    for grp in engine.partitions.groups:
+        if len(grp.params) == 1:
+            p, e = grp.params[0], grp.layout.entries[0]
+            aliased.append(grp.master.data_ptr() == p.data_ptr() + grp.rank * e.chunk * p.element_size())
+    out = {"groups": len(engine.partitions.groups), "aliased": aliased, "shares": engine.publisher.shares_weights}
+    engine.save_checkpoint(ckpt_dir, tag="t3")
+    with torch.no_grad():
+        out["saved_output"] = engine.module(probe)
+    out["weights"] = engine.full_state_dict()
+    train_step()
+    with torch.no_grad():
+        out["moved_output"] = engine.module(probe)
+    engine.load_checkpoint(ckpt_dir, tag="t3")
+    with torch.no_grad():
+        out["loaded_output"] = engine.module(probe)
+    out["loaded_weights"] = engine.full_state_dict()
+    train_step()  # training goes on from the loaded state
+    out["losses"], out["norms"] = losses, norms
+    engine.destroy()
+    return out

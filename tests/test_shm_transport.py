@@ -130,3 +130,25 @@ def test_stage3_shares_weights_on_a_host_where_that_costs_no_more_memory(layers,
     assert [r["units"] for r in shm] == ([0, 0] if shares else [layers, layers])
     assert not any(r["shares"] for r in gloo) and all(r["units"] == layers for r in gloo)
     assert [r["losses"] for r in shm] == [r["losses"] for r in gloo]  # sharing or gathering: bitwise alike
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp32_masters_alias_the_shared_weights_and_train_like_gloo(stage, tmp_path):
+    shm = run_distributed(shm_cases.aliased_masters, 2, stage, str(tmp_path / "shm"), env={"RAYZERO_SHM": "1"})
+    gloo = run_distributed(shm_cases.aliased_masters, 2, stage, str(tmp_path / "gloo"), env={"RAYZERO_SHM": "0"})
+    # on one host the 512 x 512 weight's partition group holds it alone, and its master is the rank's row of
+    # the shared weights; over gloo nothing is shared and the parameters keep one group
+    assert all(r["shares"] and r["groups"] > 1 and any(r["aliased"]) for r in shm)
+    assert not any(r["shares"] for r in gloo) and [r["groups"] for r in gloo] == [1, 1]
+    for a, b in zip(shm, gloo):
+        # no clipping, so the norm's summation order (per group) does not reach the weights: bitwise alike,
+        # through gradient accumulation, a save, a load and a step after it
+        assert a["losses"] == b["losses"]
+        assert a["norms"] == pytest.approx(b["norms"], rel=1e-5)
+        for k, v in b["weights"].items():
+            assert torch.equal(a["weights"][k], v), k
+            assert torch.equal(a["loaded_weights"][k], v), k
+        # the load wrote the shared weights in place: the model computes what it did at the save
+        assert not torch.equal(a["moved_output"], a["saved_output"])
+        assert torch.equal(a["loaded_output"], a["saved_output"])
+        assert torch.equal(a["loaded_output"], b["loaded_output"])

@@ -62,6 +62,7 @@ class Transport(Protocol):
     def barrier(self) -> None: ...
     def expose_region(self, nbytes: int): ...
     def shared_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None: ...
+    def shares_memory(self) -> bool: ...
     def settle_reads(self) -> None: ...
 
 
@@ -97,6 +98,9 @@ class NativeTransport:
 
     def shared_tensor(self, numel: int, dtype: torch.dtype) -> None:
         return None
+
+    def shares_memory(self) -> bool:
+        return False
 
     def settle_reads(self) -> None:
         pass
@@ -264,6 +268,11 @@ class Communicator:
         """A tensor that is the same memory on every rank of the group (a collective; None where the
         transport cannot give one)."""
         return self.transport.shared_tensor(numel, dtype)
+
+    def shares_memory(self) -> bool:
+        """Whether ``shared_tensor`` and ``expose_region`` can give memory every rank maps (a collective the
+        first time: all of the group's ranks on one host, with a transport that maps memory)."""
+        return self.transport.shares_memory()
 
     def settle_reads(self) -> None:
         """Return once the other ranks have read everything this rank's collectives exposed."""

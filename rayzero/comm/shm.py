@@ -309,6 +309,9 @@ class ShmTransport(PairwiseTransport):
         self._regions.append(region)
         return region
 
+    def shares_memory(self) -> bool:
+        return self.world > 1 and self._ready()
+
     def shared_tensor(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """A zero-filled tensor that is the same memory on every rank of the group (a collective), or None
         where the group is not on one host or /dev/shm cannot hold it (every rank gets None alike)."""

@@ -49,20 +49,29 @@ class GroupPartition:
 USER_GROUP_KEY = "_rayzero_user_group"
 
 
-def _sub_groups(params: list, world: int, limit: int | None) -> list[list]:
+def _sub_groups(params: list, world: int, limit: int | None, alone: int | None = None) -> list[list]:
     """Consecutive runs of ``params`` whose partitions hold at most ``limit`` elements each (a larger
-    parameter is a run of its own): the unit the optimizer steps and offload swaps (``sub_group_size``)."""
-    if not limit:
+    parameter is a run of its own): the unit the optimizer steps and offload swaps (``sub_group_size``).
+    With ``alone``, a parameter whose shard has at least that many elements is a run of its own too (its
+    master can then be the rank's row of weights the ranks share: zero/publish.py)."""
+    if not limit and not alone:
         return [params]
-    runs: list[list] = [[]]
+    runs: list[list] = []
+    current: list = []
     size = 0
     for p in params:
         chunk = -(-p.numel() // world)
-        if runs[-1] and size + chunk > limit:
-            runs.append([])
-            size = 0
-        runs[-1].append(p)
+        single = bool(alone) and chunk >= alone
+        if current and (single or (limit and size + chunk > limit)):
+            runs.append(current)
+            current, size = [], 0
+        current.append(p)
         size += chunk
+        if single:
+            runs.append(current)
+            current, size = [], 0
+    if current or not runs:
+        runs.append(current)
     return runs
 
 
@@ -90,6 +99,7 @@ class Partitions:
         sub_group_size: int | None = None,
         state_device: torch.device | None = None,
         pin_memory: bool = False,
+        alone_from: int | None = None,
     ):
         if isinstance(domain_of, Communicator):
             domain_of = single_domain(domain_of)
@@ -103,6 +113,9 @@ class Partitions:
         self.master_reader: Callable[[int], torch.Tensor] | None = None
         self.groups: list[GroupPartition] = []
         self.entry_of: dict[torch.nn.Parameter, ParamEntry] = {}
+        # communicators whose ranks share weights that some masters alias (zero/publish.py): an update or
+        # a load writes those weights in place, so it waits until no rank of the host still reads them
+        self.aliased_comms: list[Communicator] = []
         for position, group in enumerate(param_groups):
             ui = group.get(USER_GROUP_KEY, position)
             by_domain: dict[str, tuple[ReduceDomain, list]] = {}
@@ -113,7 +126,7 @@ class Partitions:
             for domain, params in by_domain.values():
                 # Stage 0 lays every group out over a world of one: the rank owns the whole group.
                 world = domain.comm.world if partitioned else 1
-                for run in _sub_groups(params, world, sub_group_size):
+                for run in _sub_groups(params, world, sub_group_size, alone_from if world > 1 else None):
                     gi = len(self.groups)
                     layout = GroupLayout.build(gi, [(names[p], p) for p in run], world)
                     master = self._zeros(layout.partition_numel, pin_memory)
@@ -204,7 +217,9 @@ class Partitions:
 
     def settle_exposed_reads(self) -> None:
         """Before the weight sources are rewritten (a step, a load): every other rank has read what it
-        gathered from them."""
+        gathered from them, and no rank still runs a forward or backward on weights a master aliases."""
+        for comm in self.aliased_comms:
+            comm.barrier()
         seen = set()
         for g in self.groups:
             if g.world > 1 and id(g.comm) not in seen:

@@ -9,7 +9,10 @@ all: at set-up the parameters of that domain move into one tensor every rank map
 (``Communicator.shared_tensor``), and publishing is each rank writing its own shard of every parameter
 into it, between two barriers (no rank still reads the old weights when the first rank writes; no rank
 runs a forward before the last rank has written).  Nothing is gathered and the host keeps one copy of the
-weights instead of one per rank.  ``Engine.destroy`` gives every rank a private copy back.  Stage 3 does the
+weights instead of one per rank.  In fp32 (``alias_masters``) a parameter alone in its partition group has
+no write either: its master is the rank's row of the shared weights, so the optimizer updates them in
+place (the engine gives large parameters a group of their own for this, ``ALIAS_ALONE_FROM``, and waits
+for the host's ranks before an update or a load rewrites them: ``Partitions.settle_exposed_reads``).  ``Engine.destroy`` gives every rank a private copy back.  Stage 3 does the
 same where ``zero_optimization.stage3_share_weights`` says so (zero/stage3.py): its parameters that could
 not be shared (a communicator across hosts) are left out of publishing (``only_if_shared``) and gathered.
 """
@@ -21,6 +24,12 @@ import torch
 from rayzero.comm import Communicator, Handle
 from rayzero.zero.layout import ParamEntry, copy_from_rows
 from rayzero.zero.partition import GroupPartition, Partitions
+
+
+# Stages 1-2 in fp32: a parameter with at least this many elements per rank gets a partition group of its own,
+# so its master can alias its shared weights (engine.py).  Each group costs an optimizer call (~20 us on CPU);
+# a copy of a shard this large costs about as much.
+ALIAS_ALONE_FROM = 1 << 16
 
 
 class WeightPublisher:
@@ -41,6 +50,7 @@ class WeightPublisher:
         params: set[torch.nn.Parameter] | None = None,
         share: bool = False,
         only_if_shared: set[torch.nn.Parameter] | None = None,
+        alias_masters: bool = False,
     ):
         self.partitions = partitions
         self.compute_dtype = compute_dtype
@@ -70,6 +80,9 @@ class WeightPublisher:
         # parameters whose storage every rank of their communicator shares: (world, chunk) rows of it
         self._shared_rows: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._shared_comms: list[Communicator] = []
+        # shared parameters whose fp32 master is this rank's row of the shared weights (nothing to copy)
+        self._aliased: set[torch.nn.Parameter] = set()
+        self._alias_masters = alias_masters
         if share:
             self._share_weights()
         if only_if_shared:
@@ -102,8 +115,20 @@ class WeightPublisher:
                     rows[g.rank].copy_(self.partitions.weight_shard(e))  # the padding is zero on every rank
                     self._shared_rows[p] = rows
                     p.data = padded[: e.numel].view(e.shape)
+                    owner = self.partitions.group_of(e)  # (a bucket's g is its last group)
+                    if self._alias_masters and self._can_alias(owner):
+                        owner.master = rows[g.rank]  # the optimizer steps the shared weights themselves
+                        self._aliased.add(p)
             comm.barrier()  # every rank wrote its shards: the shared weights are whole
             self._shared_comms.append(comm)
+        self.partitions.aliased_comms = [c for c in self._shared_comms
+                                         if any(p in self._aliased for _, _, p in by_comm[id(c)][1])]
+
+    def _can_alias(self, g: GroupPartition) -> bool:
+        """A group of one parameter, whose fp32 master is the compute dtype's and a plain host tensor: its
+        partition is exactly the rank's row of that parameter's shared weights."""
+        return (len(g.params) == 1 and g.weights is None and g.master.dtype == self.compute_dtype
+                and g.master.device.type == "cpu" and g.master.numel() == g.layout.entries[0].chunk)
 
     def _shareable(self, params: list[torch.nn.Parameter]) -> bool:
         """Host tensors of the compute dtype, no two of which share memory (re-pointing one of two views of
@@ -127,7 +152,8 @@ class WeightPublisher:
 
     def unshare(self, drop=()) -> None:
         """Give every shared parameter a private copy of its current value (no collective); those in
-        ``drop`` (stage 3's, about to become stand-ins) get none."""
+        ``drop`` (stage 3's, about to become stand-ins) get none.  Masters that alias the shared weights
+        keep doing so: this is for ``Engine.destroy``, which drops the masters next."""
         drop = set(drop)
         with torch.no_grad():
             for p in self._shared_rows:
@@ -135,6 +161,8 @@ class WeightPublisher:
                     p.data = p.data.clone()
         self._shared_rows.clear()
         self._shared_comms = []
+        self._aliased.clear()
+        self.partitions.aliased_comms = []
 
     # ---- publishing ------------------------------------------------------------------------------------------
     def _direct(self, g: GroupPartition, members) -> bool:
@@ -173,7 +201,8 @@ class WeightPublisher:
                 continue
             if members[0][1] in self._shared_rows:  # the ranks' one copy: write my shards into it
                 for e, p in members:
-                    self._shared_rows[p][g.rank].copy_(self.partitions.weight_shard(e))
+                    if p not in self._aliased:  # (an aliased master was updated in place)
+                        self._shared_rows[p][g.rank].copy_(self.partitions.weight_shard(e))
                 continue
             if self._direct(g, members):
                 e, p = members[0]
