@@ -422,19 +422,31 @@ class Engine:
     def _update(self, multiplier: float) -> None:
         """Scale the gradient partitions by ``multiplier`` (unscale x clip) and step the optimizer on the
         fp32 masters (the eager twin of rayzero.capture.step's captured update)."""
+        # A fused optimizer (torch's fused AdamW, rayzero's default) divides the gradients by its
+        # ``grad_scale`` as it reads them: the multiplier rides along instead of costing a pass of its own.
+        fold = multiplier != 1.0 and _folds_grad_scale(self.optimizer)
         for g in self.partitions.groups:
-            if multiplier != 1.0:
+            if multiplier != 1.0 and not fold:
                 g.grad.mul_(multiplier)
         self._host_copies_done()
-        if self.swap is not None:  # NVMe: one sub-group in memory at a time
-            self.swap.step(self.partitions.groups)
-        else:
-            for g in self.partitions.groups:
-                g.master.grad = g.grad
-            self.optimizer.step()
-            for g in self.partitions.groups:
-                g.master.grad = None
-            self.partitions.refresh_weights()
+        if fold:
+            self.optimizer.grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32,
+                                                     device=self.partitions.state_device)
+        try:
+            if self.swap is not None:  # NVMe: one sub-group in memory at a time
+                self.swap.step(self.partitions.groups)
+            else:
+                for g in self.partitions.groups:
+                    g.master.grad = g.grad
+                try:
+                    self.optimizer.step()
+                finally:
+                    for g in self.partitions.groups:
+                        g.master.grad = None
+                self.partitions.refresh_weights()
+        finally:
+            if fold:
+                del self.optimizer.grad_scale
 
     def _report(self) -> None:
         """Every ``steps_per_print`` steps, rank 0 logs progress (and timings with wall_clock_breakdown)."""
@@ -599,6 +611,13 @@ class Engine:
         self.parallel.destroy()
         if self._created_process_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` divides every gradient by ``optimizer.grad_scale`` (torch's fused
+    kernels: what its GradScaler relies on)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused") for group in optimizer.param_groups)
 
 
 def initialize(model: torch.nn.Module, config: Any = None, model_parameters: Iterable | None = None) -> Engine:
