@@ -505,7 +505,11 @@ class ShmTransport(PairwiseTransport):
 
 
 def _sum_into(dst: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """``dst = parts[0] + parts[1] + ...``, added in rank order, as the pairwise transport adds them."""
-    dst.copy_(parts[0])
-    for p in parts[1:]:
+    """``dst = parts[0] + parts[1] + ...``, added in rank order, as the pairwise transport adds them (the
+    first sum written straight into ``dst``: one pass fewer than copying ``parts[0]`` in first)."""
+    if len(parts) == 1:
+        dst.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], out=dst)
+    for p in parts[2:]:
         dst.add_(p)
