@@ -311,3 +311,43 @@ def aliased_masters(rank: int, world: int, stage: int, ckpt_dir: str) -> dict:
     out["losses"], out["norms"] = losses, norms
     engine.destroy()
     return out
+
+
+def own_row_apart(rank: int, world: int, exposed_on: str) -> dict:
+    """Reduce-scatters given this rank's own row apart from ``rows`` (whose own row holds garbage), through
+    the shared-memory transport with rows exposed on every rank or only on some (then through the slots),
+    and through a gloo communicator (which copies the row in): each against the ordered pairwise transport
+    given the whole rows."""
+    from rayzero.comm import Communicator, OrderedTransport
+    from rayzero.comm.shm import ShmTransport
+
+    shm = ShmTransport(None, rank, world, chunk_bytes=4096)
+    gloo = Communicator.for_group(None, transport="pairwise")
+    ref = OrderedTransport(None, rank, world)
+    region = shm.expose_region(1 << 20)
+    expose = exposed_on == "all" or (exposed_on == "rank0" and rank == 0)
+    g = torch.Generator().manual_seed(300 + rank)
+    out = {}
+    for cols in (7, 20_000):
+        rows = torch.randn(world, cols, generator=g)
+        own = torch.randn(cols, generator=g)
+        whole = rows.clone()
+        whole[rank] = own
+        expected = torch.empty(cols)
+        ref.reduce_scatter(expected, whole).wait()
+        if expose:
+            rows_in = region.alloc(rows.numel(), torch.float32).view(world, cols)
+            rows_in.copy_(rows)
+        else:
+            rows_in = rows.clone()
+        rows_in[rank].fill_(float("nan"))  # never read
+        got = torch.empty(cols)
+        shm.reduce_scatter(got, rows_in, own=own).wait()
+        if expose:
+            region.free(rows_in.view(-1))
+        via_gloo, gloo_rows = torch.empty(cols), rows.clone()
+        gloo_rows[rank].fill_(float("nan"))
+        gloo.reduce_scatter(via_gloo, gloo_rows, own=own).wait()
+        out[cols] = (torch.equal(got, expected), torch.equal(via_gloo, expected))
+    shm.close()
+    return out

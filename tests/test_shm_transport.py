@@ -152,3 +152,11 @@ def test_fp32_masters_alias_the_shared_weights_and_train_like_gloo(stage, tmp_pa
         assert not torch.equal(a["moved_output"], a["saved_output"])
         assert torch.equal(a["loaded_output"], a["saved_output"])
         assert torch.equal(a["loaded_output"], b["loaded_output"])
+
+
+@pytest.mark.parametrize("exposed_on", ["all", "rank0"])
+def test_reduce_scatter_reads_a_rank_own_row_where_it_lies(exposed_on):
+    """The reducer hands a one-parameter bucket's own row over where it lies in the gradient instead of
+    copying it into the bucket; read in place, through the slots, or copied in by gloo: the same sums."""
+    for result in run_distributed(shm_cases.own_row_apart, 2, exposed_on, env={"RAYZERO_SHM": "1"}):
+        assert result == {7: (True, True), 20_000: (True, True)}, result

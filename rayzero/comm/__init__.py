@@ -232,7 +232,14 @@ class Communicator:
             device = get_accelerator().device()
         return Communicator(group, rank, world, impl, device)
 
-    def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor) -> Handle:
+    def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor, own: torch.Tensor | None = None) -> Handle:
+        """``own``: this rank's own contribution where it lies apart from ``rows[rank]`` (whose content is
+        then not used), so a caller need not copy it in; a transport that cannot read it there gets a copy."""
+        if own is None:
+            return self.transport.reduce_scatter(out, rows)
+        if getattr(self.transport, "reads_own_row_apart", False):
+            return self.transport.reduce_scatter(out, rows, own=own)
+        rows[self.rank].copy_(own)
         return self.transport.reduce_scatter(out, rows)
 
     def all_gather(self, rows: torch.Tensor, mine: torch.Tensor) -> Handle:

@@ -433,8 +433,13 @@ class ShmTransport(PairwiseTransport):
         return max(1, self.chunk_bytes // (rows * element_size))
 
     # ---- collectives ----------------------------------------------------------------------------------------
-    def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor) -> Handle:
+    #: ``reduce_scatter`` reads this rank's own row from where it lies (``own``), without a copy into ``rows``
+    reads_own_row_apart = True
+
+    def reduce_scatter(self, out: torch.Tensor, rows: torch.Tensor, own: torch.Tensor | None = None) -> Handle:
         if self.world == 1 or not self._ready():
+            if own is not None:
+                rows[self.rank].copy_(own)
             return super().reduce_scatter(out, rows)
         w, r, cols = self.world, self.rank, rows.shape[1]
 
@@ -449,8 +454,11 @@ class ShmTransport(PairwiseTransport):
         def run() -> None:
             where = self._where(q)
             if where is not None:  # every rank's rows are exposed: sum my row of each where it lies
-                _sum_into(out, [self._peer(x, w * cols, rows.dtype).view(w, cols)[r] for x in where])
+                _sum_into(out, [own if j == r and own is not None else self._peer(x, w * cols, rows.dtype).view(w, cols)[r]
+                                for j, x in enumerate(where)])
             else:
+                if own is not None:
+                    rows[r].copy_(own)
                 self._exchange(rows.dtype, cols, self._cols_per_chunk(w, rows.element_size()), w, fill, use)
             self._seg.consumed[self.rank] = q
 

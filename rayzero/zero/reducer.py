@@ -62,6 +62,8 @@ class Bucket:
     handle: Handle | None = None
     out: torch.Tensor | None = None
     send: torch.Tensor | None = None
+    # this rank's own row where it lies in the parameter's gradient, when it was not copied into ``rows``
+    own: torch.Tensor | None = None
 
     @property
     def part_slice(self) -> slice:
@@ -187,9 +189,20 @@ class GradientReducer:
             b.rows[0, col : col + e.numel].add_(flat)
         else:
             accumulate = e.index_in_group in b.written
-            if not accumulate:  # the first gradient of the window overwrites what the buffer held
-                zero_padding(b.rows, col, e.chunk, e.numel)
-            copy_into_rows(b.rows, col, e.chunk, flat, accumulate=accumulate)
+            w, r = b.group.world, b.group.rank
+            if (not accumulate and self.reduce_now and len(b.entries) == 1 and b.cols == e.chunk
+                    and e.numel == w * e.chunk and flat.dtype == b.rows.dtype == self.comm_dtype):
+                # a bucket of one unpadded parameter, reduced in this backward: the peers' rows are copied
+                # in, and the reduction reads this rank's own row where it lies in the gradient
+                parts = flat.view(w, e.chunk)
+                for j in range(w):
+                    if j != r:
+                        b.rows[j].copy_(parts[j])
+                b.own = parts[r]
+            else:
+                if not accumulate:  # the first gradient of the window overwrites what the buffer held
+                    zero_padding(b.rows, col, e.chunk, e.numel)
+                copy_into_rows(b.rows, col, e.chunk, flat, accumulate=accumulate)
             b.written.add(e.index_in_group)
         param.grad = None
         b.ready.add(e.index_in_group)
@@ -220,6 +233,7 @@ class GradientReducer:
         else:
             self._give("rows", b.rows)
         b.rows = None
+        b.own = None
         b.written.clear()
 
     def _take(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -266,7 +280,7 @@ class GradientReducer:
             b.out_is_partition = (b.partition_stale and grad.dtype == self.comm_dtype
                                   and grad.device == send.device)
             b.out = grad if b.out_is_partition else self._take("out", b.cols, self.comm_dtype)
-            b.handle = b.group.comm.reduce_scatter(b.out, send)
+            b.handle = b.group.comm.reduce_scatter(b.out, send, own=b.own)
         b.launched = True
         self._inflight.append(b)
         # Bound what is in flight, so bucket buffers (and the transport's receive buffers) are freed as
@@ -288,7 +302,7 @@ class GradientReducer:
                 grad.add_(out)
             self._give("out", b.out)
         b.partition_stale = b.out_is_partition = False
-        b.handle = b.out = b.send = None
+        b.handle = b.out = b.send = b.own = None
         if self.stage == 1:
             b.written.clear()  # the next window overwrites the rows instead of zeroing them now
         elif self.stage >= 2:
