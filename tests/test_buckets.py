@@ -104,7 +104,8 @@ def _engine_run(rank, world, zero: dict, steps: int):
     regions = [r for r in engine.reducer._regions.values() if r is not None]
     out = dict(losses=losses, regions=len(regions), exposed_in_use=exposed_in_use, weights=engine.full_state_dict(), printed=err.getvalue(), pooled=pooled,
                reduce=engine.buckets.reduce_bucket_size, allgather=engine.buckets.allgather_bucket_size,
-               reduce_buckets=len(engine.reducer.buckets), publish_buckets=len(engine.publisher.buckets))
+               reduce_buckets=len(engine.reducer.buckets), publish_buckets=len(engine.publisher.buckets),
+               groups=len(engine.partitions.groups))
     engine.destroy()
     return out
 
@@ -121,7 +122,12 @@ def test_engine_derives_several_buckets_and_trains_bitwise_like_one_bucket(stage
         assert r["reduce_buckets"] >= 6  # several in flight, not one (12: parameters are never split)
     if stage < 3:  # stage 3 publishes only its persistent (small) parameters
         assert derived[0]["publish_buckets"] >= 6
-    assert [r["reduce_buckets"] for r in one] == [1, 1]
+    # one bucket per partition group: one group, except at stages 1-2 on one host in fp32, where each
+    # weight matrix (2M elements a rank) has a group of its own (its master aliases the shared weights) and
+    # so does each bias between two of them
+    groups = 16 if stage < 3 and shm == "1" else 1
+    assert [r["groups"] for r in derived + one] == [groups] * 4
+    assert [r["reduce_buckets"] for r in one] == [groups, groups]
     from rayzero.zero.reducer import GradientReducer
 
     for r in derived:

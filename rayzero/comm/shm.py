@@ -454,8 +454,10 @@ class ShmTransport(PairwiseTransport):
         def run() -> None:
             where = self._where(q)
             if where is not None:  # every rank's rows are exposed: sum my row of each where it lies
-                _sum_into(out, [own if j == r and own is not None else self._peer(x, w * cols, rows.dtype).view(w, cols)[r]
-                                for j, x in enumerate(where)])
+                parts = [self._peer(x, w * cols, rows.dtype).view(w, cols)[r] for x in where]
+                if own is not None:
+                    parts[r] = own
+                _sum_into(out, parts)
             else:
                 if own is not None:
                     rows[r].copy_(own)

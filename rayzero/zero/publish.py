@@ -12,9 +12,10 @@ runs a forward before the last rank has written).  Nothing is gathered and the h
 weights instead of one per rank.  In fp32 (``alias_masters``) a parameter alone in its partition group has
 no write either: its master is the rank's row of the shared weights, so the optimizer updates them in
 place (the engine gives large parameters a group of their own for this, ``ALIAS_ALONE_FROM``, and waits
-for the host's ranks before an update or a load rewrites them: ``Partitions.settle_exposed_reads``).  ``Engine.destroy`` gives every rank a private copy back.  Stage 3 does the
-same where ``zero_optimization.stage3_share_weights`` says so (zero/stage3.py): its parameters that could
-not be shared (a communicator across hosts) are left out of publishing (``only_if_shared``) and gathered.
+for the host's ranks before an update or a load rewrites them: ``Partitions.settle_exposed_reads``).
+``Engine.destroy`` gives every rank a private copy back.  Stage 3 does the same where
+``zero_optimization.stage3_share_weights`` says so (zero/stage3.py): its parameters that could not be
+shared (a communicator across hosts) are left out of publishing (``only_if_shared``) and gathered.
 """
 
 from __future__ import annotations

@@ -190,6 +190,10 @@ class GradientReducer:
         else:
             accumulate = e.index_in_group in b.written
             w, r = b.group.world, b.group.rank
+            if b.own is not None:  # (only a failed backward leaves one behind, or a second gradient adds to it)
+                if accumulate:
+                    b.rows[r].copy_(b.own)
+                b.own = None
             if (not accumulate and self.reduce_now and len(b.entries) == 1 and b.cols == e.chunk
                     and e.numel == w * e.chunk and flat.dtype == b.rows.dtype == self.comm_dtype):
                 # a bucket of one unpadded parameter, reduced in this backward: the peers' rows are copied
