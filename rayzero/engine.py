@@ -40,6 +40,7 @@ from rayzero.zero.partition import Partitions
 from rayzero.zero.publish import ALIAS_ALONE_FROM, WeightPublisher
 from rayzero.zero.reducer import GradientReducer
 from rayzero.zero.init import materialize_frozen
+from rayzero.zero.update import update, weights_can_be_shared
 from rayzero.zero.stage3 import ParamGatherer, freed_by_destroy
 from rayzero.offload.optimizer import (
     NvmeOptimizerSwap, check_model_states_fit, resolve_offload_device, sub_group_size,
@@ -142,7 +143,7 @@ class Engine:
         # large parameter gets a partition group of its own, whose master is then the rank's row of the
         # shared weights, so the optimizer updates them in place and publishing copies nothing.
         alias = (self.stage in (1, 2) and self.compute_dtype == torch.float32 and device.type == "cpu"
-                 and not offload and z.offload_param.device == "none" and self._weights_can_be_shared(params))
+                 and not offload and z.offload_param.device == "none" and weights_can_be_shared(self.parallel, params))
         self.partitions = Partitions(
             groups, names, self.parallel.domain_of, partitioned=self.stage >= 1, device=device,
             alone_from=ALIAS_ALONE_FROM if alias else None,
@@ -278,16 +279,6 @@ class Engine:
         self._rank_swap = self.swap = None
 
     # ---- set-up helpers --------------------------------------------------------------------------------
-    def _weights_can_be_shared(self, params: list[torch.nn.Parameter]) -> bool:
-        """Whether some communicator that partitions ``params`` has all its ranks on one host (asked of every
-        communicator, in parameter order, so that every rank takes part in each one's first check)."""
-        comms = {}
-        for p in params:
-            comm = self.parallel.domain_of(p).comm
-            if comm.world > 1:
-                comms.setdefault(id(comm), comm)
-        return any([c.shares_memory() for c in comms.values()])
-
     @staticmethod
     def _plan_topology(cfg: Config, world_size: int) -> ParallelDims:
         tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
@@ -396,7 +387,8 @@ class Engine:
             if capture:
                 capture.update(multiplier)
             else:
-                self._update(multiplier)
+                self._host_copies_done()
+                update(self.optimizer, self.partitions, self.swap, multiplier)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             if not self._params_alias_master:
@@ -418,35 +410,6 @@ class Engine:
         if self.config.wall_clock_breakdown:
             self.accelerator.synchronize()
         return time.perf_counter()
-
-    def _update(self, multiplier: float) -> None:
-        """Scale the gradient partitions by ``multiplier`` (unscale x clip) and step the optimizer on the
-        fp32 masters (the eager twin of rayzero.capture.step's captured update)."""
-        # A fused optimizer (torch's fused AdamW, rayzero's default) divides the gradients by its
-        # ``grad_scale`` as it reads them: the multiplier rides along instead of costing a pass of its own.
-        fold = multiplier != 1.0 and _folds_grad_scale(self.optimizer)
-        for g in self.partitions.groups:
-            if multiplier != 1.0 and not fold:
-                g.grad.mul_(multiplier)
-        self._host_copies_done()
-        if fold:
-            self.optimizer.grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32,
-                                                     device=self.partitions.state_device)
-        try:
-            if self.swap is not None:  # NVMe: one sub-group in memory at a time
-                self.swap.step(self.partitions.groups)
-            else:
-                for g in self.partitions.groups:
-                    g.master.grad = g.grad
-                try:
-                    self.optimizer.step()
-                finally:
-                    for g in self.partitions.groups:
-                        g.master.grad = None
-                self.partitions.refresh_weights()
-        finally:
-            if fold:
-                del self.optimizer.grad_scale
 
     def _report(self) -> None:
         """Every ``steps_per_print`` steps, rank 0 logs progress (and timings with wall_clock_breakdown)."""
@@ -611,13 +574,6 @@ class Engine:
         self.parallel.destroy()
         if self._created_process_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` divides every gradient by ``optimizer.grad_scale`` (torch's fused
-    kernels: what its GradScaler relies on)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
-        group.get("fused") for group in optimizer.param_groups)
 
 
 def initialize(model: torch.nn.Module, config: Any = None, model_parameters: Iterable | None = None) -> Engine:
