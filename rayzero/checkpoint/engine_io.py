@@ -9,11 +9,8 @@ fragments, whatever world size and stage wrote them.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import logging
-import random
 import threading
 import time
 from types import SimpleNamespace
@@ -41,6 +38,7 @@ from rayzero.checkpoint.optimizer_load import (
     group_hparams,
     warn_hparam_differences,
 )
+from rayzero.checkpoint.rng import rederive_rng, rng_state, set_rng_state
 from rayzero.checkpoint.slices import prod, slice_filler
 from rayzero.parallel.slicing import full_shape_of, layout_dicts, slice_index, splits_of
 from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_dir, wait_discards, write_rank
@@ -181,55 +179,6 @@ def _whole_tensors(engine: "Engine") -> dict[str, torch.Tensor]:
     for name, b in engine.module.named_buffers():
         out[name] = b
     return out
-
-
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
-
-
-def _rng_state(accelerator) -> dict:
-    state = {"torch": _b64(torch.get_rng_state())}
-    if accelerator.name != "cpu":  # the device's own generator (on CPU it is the torch one above)
-        state["device"] = {"kind": accelerator.name, "state": _b64(accelerator.get_rng_state())}
-    version, internal, gauss = random.getstate()
-    state["python"] = [version, list(internal), gauss]
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, cached]
-    except ImportError:
-        pass
-    return state
-
-
-def _set_rng_state(state: dict, accelerator) -> None:
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
-    device = state.get("device")
-    if device is not None and device["kind"] == accelerator.name:  # saved on another kind: nothing to restore
-        accelerator.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(device["state"])), dtype=torch.uint8))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def _rederive_rng(seed: int, step: int, rank: int, accelerator) -> None:
-    """A new world size has new ranks: derive each rank's streams from (seed, step, rank), reproducibly."""
-    digest = hashlib.sha256(f"rayzero-rng:{seed}:{step}:{rank}".encode()).digest()
-    value = int.from_bytes(digest[:7], "little")
-    torch.manual_seed(value)
-    accelerator.manual_seed(value)  # the device's generator too
-    random.seed(value)
-    try:
-        import numpy as np
-
-        np.random.seed(value % (2**32))
-    except ImportError:
-        pass
 
 
 def _jsonable(value: Any, where: str) -> Any:
@@ -379,7 +328,7 @@ class CheckpointIO:
         later: list = []
         defer = async_save and getattr(engine, "swap", None) is None and engine.partitions.param_swap is None
         fragments = snapshot(engine, self.staging if async_save else None, later if defer else None)
-        extra = {"rng": _rng_state(engine.accelerator)}
+        extra = {"rng": rng_state(engine.accelerator)}
         world, rank = engine.comm.world, engine.rank
         # The manifest's contents are taken now, so a save that overlaps training records this step.
         manifest_now = build_manifest(engine, tag, client_state) if rank == 0 else {}
@@ -599,7 +548,7 @@ def _load_counters(engine: "Engine", manifest: dict) -> None:
     saved_layout = manifest.get("topology", {})
     same_layout = saved_layout.get("tp", 1) == engine.topology.tp and saved_layout.get("ep", 1) == engine.topology.ep
     if manifest["world_size"] == engine.world_size and same_layout:
-        _set_rng_state(manifest["rng"][engine.rank], engine.accelerator)
+        set_rng_state(manifest["rng"][engine.rank], engine.accelerator)
     else:
         # new ranks: derive each data shard's streams afresh (the ranks of a TP group share theirs)
-        _rederive_rng(engine.config.seed, engine.global_steps, engine.dp_rank, engine.accelerator)
+        rederive_rng(engine.config.seed, engine.global_steps, engine.dp_rank, engine.accelerator)

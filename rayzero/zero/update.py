@@ -1,0 +1,56 @@
+"""The eager optimizer update on a rank's fp32 master partitions (step 5 of the step in docs/design.md; the
+captured twin is rayzero/capture/step.py), and the set-up question that decides whether stage 1-2 masters can
+be the weights a host's ranks share."""
+
+from __future__ import annotations
+
+import torch
+
+from rayzero.zero.partition import Partitions
+
+
+def folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` divides every gradient by ``optimizer.grad_scale`` (torch's fused
+    kernels: what its GradScaler relies on)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused") for group in optimizer.param_groups)
+
+
+def update(optimizer: torch.optim.Optimizer, partitions: Partitions, swap, multiplier: float) -> None:
+    """Scale the gradient partitions by ``multiplier`` (unscale x clip) and step ``optimizer`` on the fp32
+    masters; ``swap`` (NVMe offload) steps one sub-group in memory at a time instead.
+
+    A fused optimizer (torch's fused AdamW, rayzero's default) divides the gradients by its ``grad_scale`` as
+    it reads them: the multiplier rides along instead of costing a pass of its own."""
+    fold = multiplier != 1.0 and folds_grad_scale(optimizer)
+    if multiplier != 1.0 and not fold:
+        for g in partitions.groups:
+            g.grad.mul_(multiplier)
+    if fold:
+        optimizer.grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32, device=partitions.state_device)
+    try:
+        if swap is not None:
+            swap.step(partitions.groups)
+        else:
+            for g in partitions.groups:
+                g.master.grad = g.grad
+            try:
+                optimizer.step()
+            finally:
+                for g in partitions.groups:
+                    g.master.grad = None
+            partitions.refresh_weights()
+    finally:
+        if fold:
+            del optimizer.grad_scale
+
+
+def weights_can_be_shared(parallel, params: list[torch.nn.Parameter]) -> bool:
+    """Whether some communicator that partitions ``params`` has all its ranks on one host (asked of every
+    communicator, in parameter order, so that every rank takes part in each one's first check)."""
+    comms = {}
+    for p in params:
+        comm = parallel.domain_of(p).comm
+        if comm.world > 1:
+            comms.setdefault(id(comm), comm)
+    return any([c.shares_memory() for c in comms.values()])
