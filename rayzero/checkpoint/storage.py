@@ -186,6 +186,17 @@ class HashingWriter:
         self.raw.close()
         self.closed = True
 
+    def abandon(self) -> None:
+        """After a failure: close the stream without syncing (a direct-I/O file also waits for its write in
+        flight); errors of the close itself are dropped, the failure that led here is what is raised."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            getattr(self.raw, "abandon", self.raw.close)()
+        except BaseException:
+            pass
+
 
 def xxh3_of(storage: Storage, path: str, block: int = 8 << 20) -> str:
     """The file's 64-bit XXH3 hash (hex), streamed: what the manifest records per fragment file."""

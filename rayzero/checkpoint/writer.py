@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Callable, ContextManager
 
+from rayzero.checkpoint import direct_io
 from rayzero.checkpoint.format import LATEST, MANIFEST, CheckpointError, Fragment, rank_file_name, write_fragments
 from rayzero.checkpoint.storage import HashingWriter, Storage
 
@@ -131,16 +132,22 @@ def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment
     final = f"{stage}/{rank_file_name(rank)}" if not storage.local else os.path.join(stage, rank_file_name(rank))
     try:
         tmp = final + ".partial"
-        if storage.local:
+        if storage.local and direct_io.enabled():
+            sink = HashingWriter(direct_io.DirectFile(tmp))  # the file syncs itself at close
+        elif storage.local:
             raw = open(tmp, "wb")
             sink = HashingWriter(raw, local_file=raw)
         else:
             sink = HashingWriter(storage.open_output(final))
         import pyarrow as pa
 
-        with pa.PythonFile(sink, mode="w") as out:
-            index = write_fragments(out, fragments, open_group)
-        sink.close()
+        try:
+            with pa.PythonFile(sink, mode="w") as out:
+                index = write_fragments(out, fragments, open_group)
+            sink.close()
+        except BaseException:
+            sink.abandon()
+            raise
         if storage.local:
             os.replace(tmp, final)
         marker = {"file": rank_file_name(rank), "size": sink.size, "xxh3": sink.hasher.hexdigest(),
