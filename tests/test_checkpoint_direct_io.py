@@ -200,3 +200,12 @@ def test_a_full_disk_fails_the_save_clearly_and_loses_nothing(tmp_path):
         assert "previous one is intact" in r["error"] or "previous checkpoint (if any) is intact" in r["error"]
         assert r["latest"] == "a" and r["same"], r
     assert res[0]["left"] == ["a", "c", "latest"], res[0]
+
+
+def test_direct_io_is_used_on_disks_only_and_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.delenv(direct_io.ENV, raising=False)
+    assert direct_io.enabled(str(tmp_path))  # ext4 here
+    if os.path.isdir("/dev/shm"):  # tmpfs: its page cache is the storage, direct I/O would only add a copy
+        assert not direct_io.enabled("/dev/shm")
+    monkeypatch.setenv(direct_io.ENV, "0")
+    assert not direct_io.enabled(str(tmp_path))

@@ -10,8 +10,9 @@ the cache to the training job, and takes the same time every save (``python benc
 How: the writer copies what it is given into one of two ``CHUNK``-byte aligned buffers; a full buffer is
 written with ``pwrite`` on a thread of its own while the caller fills the other. ``close()`` pads the last
 block to the alignment, writes it, cuts the file back to its true size and syncs it. A filesystem that
-refuses ``O_DIRECT`` at open or at the first write gets the same bytes buffered (logged once). The two buffers
-are kept for the process's next save (``2 * CHUNK`` bytes).
+refuses ``O_DIRECT`` at open or at the first write gets the same bytes buffered (logged once), and so does an
+in-memory filesystem (tmpfs: its page cache is the storage). The two buffers are kept for the process's next
+save (``2 * CHUNK`` bytes).
 
 ``RAYZERO_CHECKPOINT_DIRECT_IO=0`` turns direct writes off (buffered writes with early writeback instead,
 ``storage.HashingWriter``).
@@ -40,8 +41,30 @@ _free_lock = threading.Lock()
 _warned: set[str] = set()
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+_TMPFS_MAGIC, _RAMFS_MAGIC = 0x01021994, 0x858458F6
+
+
+def _in_memory_fs(directory: str) -> bool:
+    """Whether ``directory`` is on tmpfs/ramfs (Linux ``statfs``), where the page cache is the storage and
+    direct I/O would only add a copy."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first word
+        if libc.statfs(os.fsencode(directory), buf) != 0:
+            return False
+        return ctypes.c_long.from_buffer(buf).value in (_TMPFS_MAGIC, _RAMFS_MAGIC)
+    except (OSError, AttributeError):
+        return False
+
+
+def enabled(directory: str | None = None) -> bool:
+    """Whether fragment files under ``directory`` are written with direct I/O: unless
+    ``RAYZERO_CHECKPOINT_DIRECT_IO=0``, and not on an in-memory filesystem."""
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return directory is None or not _in_memory_fs(directory)
 
 
 def _take_buffer() -> memoryview:

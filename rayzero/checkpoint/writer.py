@@ -132,7 +132,7 @@ def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment
     final = f"{stage}/{rank_file_name(rank)}" if not storage.local else os.path.join(stage, rank_file_name(rank))
     try:
         tmp = final + ".partial"
-        if storage.local and direct_io.enabled():
+        if storage.local and direct_io.enabled(stage):
             sink = HashingWriter(direct_io.DirectFile(tmp))  # the file syncs itself at close
         elif storage.local:
             raw = open(tmp, "wb")
