@@ -209,3 +209,23 @@ def test_direct_io_is_used_on_disks_only_and_can_be_turned_off(tmp_path, monkeyp
         assert not direct_io.enabled("/dev/shm")
     monkeypatch.setenv(direct_io.ENV, "0")
     assert not direct_io.enabled(str(tmp_path))
+
+
+def _write_past_an_unaligned_limit(rank, world, path):
+    """A limit inside a block: the direct write stops short of it, unaligned; the rest goes buffered and
+    meets the kernel's real EFBIG (not an EINVAL of the unaligned retry)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, ((1 << 20) + 1000, resource.RLIM_INFINITY))
+    f = direct_io.DirectFile(path)
+    try:
+        f.write(bytes(3 * CHUNK))
+        f.close()
+    except OSError as e:
+        return {"errno": e.errno, "closed": f.closed, "size": os.path.getsize(path)}
+    return {"errno": None}
+
+
+def test_an_unaligned_size_limit_still_reports_file_too_large(tmp_path):
+    res, = run_distributed(_write_past_an_unaligned_limit, 1, str(tmp_path / "big"), init_pg=False)
+    assert res["errno"] == errno.EFBIG and res["closed"], res
+    assert res["size"] <= (1 << 20) + 1000, res

@@ -62,7 +62,7 @@ def _in_memory_fs(directory: str) -> bool:
 def enabled(directory: str | None = None) -> bool:
     """Whether fragment files under ``directory`` are written with direct I/O: unless
     ``RAYZERO_CHECKPOINT_DIRECT_IO=0``, and not on an in-memory filesystem."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off") or not hasattr(os, "O_DIRECT"):
         return False
     return directory is None or not _in_memory_fs(directory)
 
@@ -126,10 +126,12 @@ class DirectFile:
             try:
                 n = os.pwrite(self.fd, view, offset)
             except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct or offset != 0:
+                if e.errno != errno.EINVAL or not self.direct:
                     raise
-                # accepted at open, refused at the first write (some filesystems): go on buffered
-                _refused(self.path, e)
+                # Accepted at open, refused at the first write (some filesystems), or a short write (a size
+                # limit) left the rest unaligned: go on buffered, where the real error, if any, shows.
+                if offset == 0:
+                    _refused(self.path, e)
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
                 self.direct = False
                 continue
