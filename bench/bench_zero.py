@@ -411,6 +411,14 @@ def system_specs(world: int, memory: bool = False) -> list[dict]:
     if not memory:  # config defaults, but gathering even on one host (what stage 3 does across hosts)
         specs.append(dict(name="rayzero stage 3, config defaults, gathered", kind="rayzero", world=world,
                           stage=3, theory_stage=3, defaults=True, zero={"stage3_share_weights": False}))
+    if not memory:  # stages 1-2 with every group on gloo, as across hosts: the weights are gathered after a
+        # step, inside it or (overlap_param_gather) during the next forward
+        for s in (1, 2):
+            for overlap in (False, True):
+                specs.append(dict(name=f"rayzero stage {s}, config defaults, gloo only"
+                                  + (", overlap_param_gather" if overlap else ""), kind="rayzero", world=world,
+                                  stage=s, theory_stage=s, defaults=True, env={"RAYZERO_SHM": "0"},
+                                  zero={"overlap_param_gather": True} if overlap else None))
     if not memory:  # the same config defaults with "graph_capture" on (compiled during the warm-up steps)
         for s in (1, 2, 3):
             specs.append(dict(name=f"rayzero stage {s}, graph capture", kind="rayzero", world=world, stage=s,
@@ -452,6 +460,7 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespa
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(spec.get("env", {}))
     torch.set_num_threads(1)
     try:
         out: dict = {"rank": rank}

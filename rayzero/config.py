@@ -181,6 +181,9 @@ class ZeroConfig(_Section):
     reduce_bucket_size: int | None = None
     allgather_bucket_size: int | None = None
     overlap_comm: bool = True
+    # stages 1-2 where weights are gathered (ranks across hosts): the all-gather after a step runs during the
+    # next forward, each operation waiting for the parameters it reads (zero/publish.py)
+    overlap_param_gather: bool = False
     contiguous_gradients: bool = True
     # None: two of the largest gather units (stage3.py); 0 turns prefetching off
     stage3_prefetch_bucket_size: int | None = None

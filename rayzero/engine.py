@@ -37,7 +37,7 @@ from rayzero.parallel.state import ParallelState
 from rayzero.topology import ParallelDims
 from rayzero.zero.buckets import engine_bucket_plan
 from rayzero.zero.partition import Partitions
-from rayzero.zero.publish import ALIAS_ALONE_FROM, WeightPublisher
+from rayzero.zero.publish import ALIAS_ALONE_FROM, WaitForWeights, WeightPublisher
 from rayzero.zero.reducer import GradientReducer
 from rayzero.zero.init import materialize_frozen
 from rayzero.zero.update import update, weights_can_be_shared
@@ -210,6 +210,7 @@ class Engine:
             share=self.stage in (1, 2) or share3,
             only_if_shared=set(self.gatherer.managed) if share3 else None,
             alias_masters=alias,
+            overlap=z.overlap_param_gather and self.stage in (1, 2),
         )
         if share3:
             self.gatherer.adopt(self.publisher.shared_params)
@@ -339,13 +340,25 @@ class Engine:
             cast = lambda t: t.to(self.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         start = self._clock()
-        out = self.module(*args, **kwargs)
+        if self.publisher.pending:  # overlap_param_gather: the last step's gathers are still running
+            with WaitForWeights(self.publisher):
+                out = self.module(*args, **kwargs)
+            self.publisher.finish()
+        else:
+            out = self.module(*args, **kwargs)
         self._timings["forward"] += self._clock() - start
         return out
+
+    def wait_for_weights(self) -> None:
+        """With ``overlap_param_gather``, the model's parameters fill in during the next forward; this
+        completes them now (for reading them outside a forward). Every other engine call does it itself."""
+        self._check_alive()
+        self.publisher.finish()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         self._check_alive()
+        self.publisher.finish()
         self.reducer.reduce_now = self.reducer.stage >= 2 or self.is_gradient_accumulation_boundary()
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
@@ -366,6 +379,7 @@ class Engine:
             self.micro_steps += 1
             return
         start = self._clock()
+        self.publisher.finish()  # no gather still reads the partitions the update rewrites
         self._checkpoint.before_update()  # an async save has copied the state this step overwrites
         if self.reducer.pending:  # boundary decided after the backward (manual boundaries): reduce now
             self.reducer.reduce_now = True
@@ -472,6 +486,7 @@ class Engine:
         """
         from rayzero.zero.export import full_state_dict
 
+        self.publisher.finish()
         return full_state_dict(self, rank0_only=rank0_only, cpu_offload=cpu_offload)
 
     def _unslice(self, local: torch.Tensor, entry) -> torch.Tensor:
@@ -497,6 +512,7 @@ class Engine:
         process exit waits for it, and a failed background write raises there.  Returns the tag.
         """
         self._check_alive()
+        self.publisher.finish()
         # (with NVMe offload the optimizer's sub-groups are read one at a time while they are written)
         return self._checkpoint.save(save_dir, tag, client_state, async_save)
 
@@ -513,6 +529,7 @@ class Engine:
         not match are left as they are and listed in ``self.load_report``.
         """
         self._check_alive()
+        self.publisher.finish()
         self._checkpoint.wait()
         self._host_copies_done()
         self.partitions.settle_exposed_reads()
@@ -552,6 +569,7 @@ class Engine:
         """
         if self._destroyed:
             return
+        self.publisher.finish()  # stages 1-2 leave the model whole
         self._checkpoint.wait()
         self._checkpoint.release()
         self._close_swap()  # the rank's swap files go with the engine

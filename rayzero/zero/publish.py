@@ -16,11 +16,17 @@ for the host's ranks before an update or a load rewrites them: ``Partitions.sett
 ``Engine.destroy`` gives every rank a private copy back.  Stage 3 does the same where
 ``zero_optimization.stage3_share_weights`` says so (zero/stage3.py): its parameters that could not be
 shared (a communicator across hosts) are left out of publishing (``only_if_shared``) and gathered.
+
+**Overlap with the next forward** (``zero_optimization.overlap_param_gather``, stages 1-2, where weights are
+gathered).  ``publish()`` leaves its last gathers (at most ``MAX_INFLIGHT``) running; the engine runs the next
+forward under ``WaitForWeights``, which completes a gather before any operation reads one of its
+parameters, and ``finish()`` completes the rest before anything else touches the weights or the masters.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from rayzero.comm import Communicator, Handle
 from rayzero.zero.layout import ParamEntry, copy_from_rows
@@ -52,8 +58,14 @@ class WeightPublisher:
         share: bool = False,
         only_if_shared: set[torch.nn.Parameter] | None = None,
         alias_masters: bool = False,
+        overlap: bool = False,
     ):
         self.partitions = partitions
+        # overlap_param_gather: publish() leaves its all-gathers running; the next forward waits for each
+        # parameter as an operation first reads it (WaitForWeights), and finish() for whatever is left
+        self.overlap = overlap
+        self._pending: list[_Gather] = []
+        self._pending_of: dict[int, _Gather] = {}  # id(parameter) -> the gather that fills it
         self.compute_dtype = compute_dtype
         # a bucket holds parameters partitioned over one communicator (it is gathered over those ranks);
         # consecutive partition groups over the same ranks share buckets
@@ -190,10 +202,10 @@ class WeightPublisher:
 
     @torch.no_grad()
     def publish(self) -> None:
+        self.finish()
         for comm in self._shared_comms:  # nobody still reads the weights about to be overwritten
             comm.barrier()
-        device = self.partitions.device
-        inflight: list = []
+        inflight: list[_Gather] = []
         for g, members in self.buckets:
             world = g.world
             if world == 1:
@@ -210,8 +222,7 @@ class WeightPublisher:
                 shard = self.partitions.weight_shard(e)
                 if shard.dtype != self.compute_dtype or shard.device != p.device or not shard.is_contiguous():
                     shard = shard.to(device=p.device, dtype=self.compute_dtype)
-                handle = g.comm.all_gather(p.data.view(world, e.chunk), shard)
-                inflight.append((None, None, None, handle))
+                inflight.append(_Gather(members, None, None, g.comm.all_gather(p.data.view(world, e.chunk), shard)))
             else:
                 cols = sum(e.chunk for e, _ in members)
                 buffers = self._buffers(world, cols)
@@ -220,20 +231,79 @@ class WeightPublisher:
                 for e, _ in members:
                     mine[col : col + e.chunk].copy_(self.partitions.weight_shard(e))
                     col += e.chunk
-                inflight.append((members, rows, buffers, g.comm.all_gather(rows, mine)))
+                inflight.append(_Gather(members, rows, buffers, g.comm.all_gather(rows, mine)))
+            # at most MAX_INFLIGHT gathers at once (each holds its buckets' buffers, or gloo's own); with
+            # overlap the last ones are left running into the next forward, which reads their (last) layers last
             while len(inflight) > self.MAX_INFLIGHT:
-                self._unpack(*inflight.pop(0))
-        while inflight:
-            self._unpack(*inflight.pop(0))
+                self._unpack(inflight.pop(0))
+        if self.overlap:
+            self._pending = inflight
+            self._pending_of = {id(p): x for x in inflight for _, p in x.members}
+        while inflight and not self.overlap:
+            self._unpack(inflight.pop(0))
         for comm in self._shared_comms:  # nobody runs a forward before every shard is written
             comm.barrier()
 
-    def _unpack(self, members, rows: torch.Tensor | None, buffers, handle: Handle) -> None:
-        handle.wait()
-        if members is None:  # gathered straight into the parameter
+    @property
+    def pending(self) -> int:
+        """How many of the last publish()'s gathers are still left running (overlap_param_gather)."""
+        return len(self._pending)
+
+    def wait_for(self, p: torch.nn.Parameter) -> None:
+        """Complete the gather that fills ``p``, if one is still running."""
+        x = self._pending_of.get(id(p))
+        if x is not None:
+            self._unpack(x)
+
+    def finish(self) -> None:
+        """Complete every gather still running: the parameters hold the updated weights."""
+        while self._pending:
+            self._unpack(self._pending[0])
+
+    def _unpack(self, x: "_Gather") -> None:
+        x.handle.wait()
+        if x in self._pending:
+            self._pending.remove(x)
+            for _, p in x.members:
+                self._pending_of.pop(id(p), None)
+        if x.rows is None:  # gathered straight into the parameter
             return
         col = 0
-        for e, p in members:
-            copy_from_rows(p.data.view(-1), rows, col, e.chunk)
+        for e, p in x.members:
+            copy_from_rows(p.data.view(-1), x.rows, col, e.chunk)
             col += e.chunk
-        self._free_buffers.append(buffers)
+        self._free_buffers.append(x.buffers)
+
+
+class _Gather:
+    """One bucket's all-gather in flight: ``rows``/``buffers`` None where it gathers straight into its
+    one parameter."""
+
+    __slots__ = ("members", "rows", "buffers", "handle")
+
+    def __init__(self, members, rows: torch.Tensor | None, buffers, handle: Handle):
+        self.members, self.rows, self.buffers, self.handle = members, rows, buffers, handle
+
+
+class WaitForWeights(TorchFunctionMode):
+    """Around a forward that follows an overlapped publish: before any operation reads a parameter whose
+    gather is still running, that gather completes (an operation, not a module: a weight read by another
+    module's forward, as tied weights are, is waited for too)."""
+
+    def __init__(self, publisher: WeightPublisher):
+        super().__init__()
+        self.publisher = publisher
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pending = self.publisher._pending_of
+        if pending:
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.nn.Parameter):
+                    if id(a) in pending:
+                        self.publisher.wait_for(a)
+                elif isinstance(a, (list, tuple)):
+                    for b in a:
+                        if isinstance(b, torch.nn.Parameter) and id(b) in pending:
+                            self.publisher.wait_for(b)
+        return func(*args, **kwargs)
