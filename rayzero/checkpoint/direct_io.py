@@ -59,12 +59,12 @@ def _in_memory_fs(directory: str) -> bool:
         return False
 
 
-def enabled(directory: str | None = None) -> bool:
+def enabled(directory: str) -> bool:
     """Whether fragment files under ``directory`` are written with direct I/O: unless
     ``RAYZERO_CHECKPOINT_DIRECT_IO=0``, and not on an in-memory filesystem."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off") or not hasattr(os, "O_DIRECT"):
         return False
-    return directory is None or not _in_memory_fs(directory)
+    return not _in_memory_fs(directory)
 
 
 def _take_buffer() -> memoryview:
