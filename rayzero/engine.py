@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-import os
 import time
 import weakref
 from typing import Any, Iterable
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from rayzero.accelerator import get_accelerator
+from rayzero.accelerator import bind_rank_device, get_accelerator
 from rayzero.accelerator.host_allocator import keep_freed_memory
 from rayzero.checkpoint.engine_io import CheckpointIO
 from rayzero.checkpoint.engine_io import load as checkpoint_load
@@ -73,11 +72,7 @@ class Engine:
         # on CPU, freed step buffers stay in the heap for the next step instead of faulting in afresh
         # (rayzero/accelerator/host_allocator.py says when this is left alone)
         self.host_allocator = keep_freed_memory() if self.accelerator.name == "cpu" else None
-        if self.accelerator.name != "cpu":
-            # the rank's own device before the process group exists (NCCL binds to the current device);
-            # a launcher that shows each worker only its own devices makes the index wrap to 0
-            count = max(1, self.accelerator.device_count())
-            self.accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")) % count)
+        bind_rank_device(self.accelerator)  # before the process group exists (rayzero/accelerator)
         self.rank, self.world_size, self._created_process_group = init_distributed()
         self.topology = self._plan_topology(cfg, self.world_size)
         if cfg.deterministic:

@@ -200,7 +200,11 @@ def build_process_groups(
             f"rank={rank} but torch.distributed reports rank {actual_rank}; pass dist.get_rank()"
         )
 
-    world = dist.group.WORLD
+    from rayzero.comm import group_backend, world_group
+
+    # groups that carry the accelerator's tensors even where the default group cannot (rayzero/comm)
+    world = world_group() or dist.group.WORLD
+    backend = backend or group_backend()
     by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
     created: list[dist.ProcessGroup] = []
     mine = dims.groups_of(rank)

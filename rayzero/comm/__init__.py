@@ -14,6 +14,11 @@ A *transport* implements them.  Two ship:
   peer.  On gloo this moves the same bytes as the native ops at roughly twice to four times their speed
   (gloo's reduce-scatter and all-gather are implemented on top of slower primitives), and it reduces in
   a fixed rank order, which makes the result bitwise reproducible.
+
+Every group rayzero communicates over carries the accelerator's tensors: where the default group cannot
+(a ``gloo`` group, as Ray Train starts without GPUs, while the accelerator is a device), rayzero makes one
+group of the accelerator's backend over the same ranks (:func:`world_group`) and builds its other groups
+with that backend (:func:`group_backend`).
 """
 
 from __future__ import annotations
@@ -201,6 +206,10 @@ class Communicator:
         group: dist.ProcessGroup | None = None, transport: str = "auto", device: torch.device | None = None
     ) -> "Communicator":
         if dist.is_available() and dist.is_initialized():
+            if group is None:
+                group = world_group()
+            else:
+                check_carries_device(group)
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             backend = dist.get_backend(group)
         else:
@@ -290,9 +299,15 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
     """Use an initialised default process group, else initialise one from the standard environment.
 
     Returns ``(rank, world_size, created)``.  With no ``RANK``/``WORLD_SIZE`` in the environment and no
-    process group, rayzero runs as world size 1 without creating one.
+    process group, rayzero runs as world size 1 without creating one.  The rank's device is made current
+    first (``bind_rank_device``); with a group, every rank checks that no other rank of its host bound the
+    same device.
     """
+    from rayzero.accelerator import bind_rank_device
+
+    bind_rank_device()
     if dist.is_available() and dist.is_initialized():
+        _check_distinct_devices()
         return dist.get_rank(), dist.get_world_size(), False
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         return 0, 1, False
@@ -311,4 +326,106 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
 
         backend = get_accelerator().communication_backend()
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    _check_distinct_devices()
     return rank, world, True
+
+
+def _backend_for_device(group: dist.ProcessGroup | None, device_type: str) -> str | None:
+    """The backend ``group`` sends ``device_type`` tensors through (None: it takes none)."""
+    config = dist.get_backend_config(group)  # "gloo", or "cpu:gloo,cuda:nccl"
+    if ":" not in config:
+        return config
+    for item in config.split(","):
+        kind, _, name = item.strip().partition(":")
+        if kind == device_type:
+            return name
+    return None
+
+
+def _device_backend() -> tuple[str, str] | None:
+    """``(device type, backend)`` of the accelerator when its tensors live off the host, else None."""
+    from rayzero.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    device = acc.device()
+    if device.type == "cpu":
+        return None
+    return device.type, acc.communication_backend()
+
+
+def carries_device(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group``'s collectives take the accelerator's tensors through the accelerator's backend
+    (a gloo group also claims CUDA tensors, through host copies and CPU-only point-to-point: not that)."""
+    wanted = _device_backend()
+    return wanted is None or _backend_for_device(group, wanted[0]) == wanted[1]
+
+
+def check_carries_device(group: dist.ProcessGroup) -> None:
+    """Refuse, at set-up, a group that cannot carry the accelerator's tensors."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER or carries_device(group):
+        return
+    device_type, backend = _device_backend()
+    raise ValueError(
+        f"rayzero was given a process group on the {dist.get_backend_config(group)!r} backend, which does not "
+        f"carry {device_type} tensors through {backend!r}, the accelerator's backend; create the group with "
+        f"torch.distributed.new_group(ranks, backend={backend!r}) (rayzero's own groups get that backend)"
+    )
+
+
+# The group over the default group's ranks that rayzero's world collectives use, for one default group.
+_world: dict = {"default": None, "group": None, "checked": False}
+
+
+def world_group() -> dist.ProcessGroup | None:
+    """The group rayzero's world-wide collectives go through: the default group (None) where it carries
+    the accelerator's tensors, else one group of the accelerator's backend over all ranks, made once per
+    default group.  Every rank must make its first call at the same point (``new_group`` is collective)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    default = dist.group.WORLD
+    if _world["default"] is not default:
+        _world.update(default=default, group=None, checked=False)
+        if not carries_device(None):
+            _world["group"] = dist.new_group(backend=_device_backend()[1])
+    return _world["group"]
+
+
+def group_backend() -> str | None:
+    """The backend for the groups rayzero makes (None: the default group's)."""
+    wanted = _device_backend()
+    return None if wanted is None or carries_device(None) else wanted[1]
+
+
+def _check_distinct_devices() -> None:
+    """Two ranks of one host on one device is what a device backend refuses (at its first collective, with a
+    message about duplicate devices): say so at set-up, with the cause.  Once per default group, where a
+    launcher placed the ranks (``LOCAL_RANK``, as torchrun and Ray Train set it, or the device index)."""
+    from rayzero.accelerator import (
+        DEVICE_INDEX_ENV_VAR, device_identity, get_accelerator, host_identity, identity_hash,
+    )
+
+    placed = "LOCAL_RANK" in os.environ or DEVICE_INDEX_ENV_VAR in os.environ
+    if _device_backend() is None or dist.get_world_size() == 1 or not placed:
+        return
+    group = world_group()
+    if _world["checked"]:
+        return
+    acc = get_accelerator()
+    index = acc.current_device_index()
+    device = acc.device(index)
+    mine = torch.tensor([identity_hash(host_identity()), identity_hash(device_identity(acc, index))],
+                        dtype=torch.int64, device=device)
+    everyone = torch.empty(dist.get_world_size() * 2, dtype=torch.int64, device=device)
+    _all_gather_flat(everyone, mine, group=group)
+    pairs = everyone.view(-1, 2).tolist()
+    _world["checked"] = True
+    rank = dist.get_rank()
+    same = [r for r, pair in enumerate(pairs) if pair == pairs[rank] and r != rank]
+    if same:
+        raise RuntimeError(
+            f"rank {rank} and rank(s) {same} of the same host are bound to one {acc.name} device ({device}: "
+            f"LOCAL_RANK={os.environ.get('LOCAL_RANK', 'unset')}, {acc.device_count()} device(s) visible), which "
+            f"the {_device_backend()[1]} backend refuses. Start at most one rank per device: on Ray give each "
+            "worker a whole GPU (resources_per_worker={'GPU': 1}) and no more workers per node than it has "
+            "GPUs; with torchrun, --nproc-per-node at most the node's device count"
+        )

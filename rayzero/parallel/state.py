@@ -66,7 +66,7 @@ class ParallelState:
             comms: dict = {}
 
             def comm(group):
-                key = None if group is dist.group.WORLD else group
+                key = None if group is dist.group.WORLD or group is self.world.group else group
                 if key is None:
                     return self.world
                 return comms.setdefault(key, Communicator.for_group(key, transport=transport))
@@ -75,7 +75,7 @@ class ParallelState:
             self.tp_group, self.ep_group = self.groups.tp, self.groups.ep
         else:
             self.dp = self.edp = self.world
-            self.tp_group = self.ep_group = None if dims.world_size == 1 else dist.group.WORLD
+            self.tp_group = self.ep_group = None if dims.world_size == 1 else (self.world.group or dist.group.WORLD)
         self._domains = {
             "dense": ReduceDomain("dense", self.dp, self.coords.tp == 0),
             "dense_tp": ReduceDomain("dense_tp", self.dp, True),

@@ -96,6 +96,15 @@ class ClusterConfig:
                 "checkpoint_every must be >= 0, keep_checkpoints >= 1 and max_failures >= 0 "
                 f"(got {self.checkpoint_every}, {self.keep_checkpoints}, {self.max_failures})"
             )
+        gpus = self.resources_per_worker.get("GPU", 0) if isinstance(self.resources_per_worker, Mapping) else 0
+        if gpus and (not isinstance(gpus, (int, float)) or gpus < 0 or gpus != int(gpus)):
+            # Ray would place two such workers on one GPU, and a device backend (NCCL) refuses two ranks on
+            # one device at its first collective
+            raise ConfigError(
+                f"resources_per_worker={{'GPU': {gpus!r}}}: each worker trains on whole GPUs of its own (two ranks "
+                "cannot share one device); give every worker whole GPUs ({'GPU': 1}), and as many workers per "
+                "node as it has GPUs"
+            )
         if "://" not in self.storage:
             self.storage = os.path.abspath(self.storage)
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from rayzero.accelerator import ACCELERATOR_ENV_VAR
 from rayzero.checkpoint.storage import Storage
 from rayzero.config import Config, ConfigError
 from rayzero.train.cluster_config import ClusterConfig
@@ -241,12 +242,23 @@ def _train_loop(spec: WorkerSpec) -> dict:
 
     if not spec.extra.get("verbose", True):
         _quiet_train_reports()
+    if spec.extra.get("accelerator"):
+        # the accelerator the driver names reaches every worker (a node's own setting stays)
+        os.environ.setdefault(ACCELERATOR_ENV_VAR, spec.extra["accelerator"])
     ctx = ray.train.get_context()
     if ctx.get_world_rank() == 0:
         world = ctx.get_world_size()
         text = f"{world} worker{'' if world == 1 else 's'} up: building the model and engine"
         publish_phase(ctx.get_experiment_name(), text, start=True)  # the worker loop publishes the next phases
     return train_loop_per_worker(spec)
+
+
+def _torch_backend(cluster: ClusterConfig) -> str | None:
+    """The backend of the default group Ray Train starts: the GPUs' own where workers get GPUs, else Ray's
+    choice (gloo).  Where that group cannot carry the workers' accelerator tensors, rayzero makes a group of
+    the accelerator's backend over the same ranks (``rayzero.comm.world_group``)."""
+    gpus = cluster.use_gpu or (cluster.resources_per_worker or {}).get("GPU", 0) > 0
+    return "nccl" if gpus else None
 
 
 def _quiet_train_reports() -> None:
@@ -360,7 +372,7 @@ def fit(
     group read the same samples, and a factory is called with the data-parallel rank and size.
     """
     from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from rayzero.train.metrics import clear_phases, set_worker_output
 
@@ -446,7 +458,7 @@ def fit(
         ep=ep,
         world_sizes=sorted(plans),
         compile_cache=_in_run(run_dir, "compile_cache"),
-        extra={"verbose": cluster.verbose},
+        extra={"verbose": cluster.verbose, "accelerator": os.environ.get(ACCELERATOR_ENV_VAR, "").strip() or None},
     )
     for what in ("data", "loss_fn", "train_step", "collate"):
         try:
@@ -460,6 +472,7 @@ def fit(
     trainer = TorchTrainer(
         _train_loop,
         train_loop_config=spec,
+        torch_config=TorchConfig(backend=_torch_backend(cluster)),
         scaling_config=ScalingConfig(
             num_workers=workers,
             use_gpu=cluster.use_gpu,

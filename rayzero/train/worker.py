@@ -18,7 +18,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -63,12 +63,63 @@ def _default_collate(items: list) -> Any:
     return torch.utils.data.default_collate(items)
 
 
+def to_device(batch: Any, device: torch.device, pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """``batch`` with every tensor in it (nested in tuples, lists, named tuples and dicts) on ``device``, so
+    the model and the loss function get device inputs and targets.  ``pin``: pins a host tensor first, so its
+    copy runs without blocking the host (a pinned source is copied with ``non_blocking``)."""
+    if isinstance(batch, torch.Tensor):
+        if batch.device == device:
+            return batch
+        if pin is not None and batch.device.type == "cpu":
+            batch = pin(batch)
+        return batch.to(device, non_blocking=batch.device.type == "cpu" and batch.is_pinned())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(to_device(x, device, pin) for x in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(x, device, pin) for x in batch)
+    if isinstance(batch, Mapping):
+        moved = {k: to_device(v, device, pin) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)
+        except TypeError:  # a mapping that cannot be built from a dict: a plain one carries the same keys
+            return moved
+    return batch
+
+
 def _forward_loss(engine, spec: WorkerSpec, batch) -> torch.Tensor:
     inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
     out = engine(**inputs) if isinstance(inputs, dict) else engine(inputs)
     if spec.loss_fn is None:
         return out if torch.is_tensor(out) and out.dim() == 0 else out.float().mean()
     return spec.loss_fn(out, batch)
+
+
+def _collated(ids_per_micro_batch, data, collate: Callable, seen: list):
+    for ids in ids_per_micro_batch:
+        seen.extend(ids)
+        yield collate([data[i] for i in ids])
+
+
+def run_step(engine, spec: WorkerSpec, batches, accumulation: int) -> torch.Tensor:
+    """One optimizer step over ``batches`` (its micro-batches, each moved to the engine's device first);
+    returns this rank's mean loss as a one-element tensor on the communicator's device, unread, so the
+    micro-batches queue on the device without the host waiting for each loss."""
+    device = engine.accelerator.device()
+    pin = None if device.type == "cpu" else engine.accelerator.pin_memory  # copies that do not block the host
+    step_loss = torch.zeros(1, device=engine.comm.device)
+    for batch in batches:
+        if device.type != "cpu":
+            batch = to_device(batch, device, pin)
+        if spec.train_step is not None:
+            loss = spec.train_step(engine, batch)
+        else:
+            loss = _forward_loss(engine, spec, batch)
+            engine.backward(loss)
+            engine.step()
+        if not torch.is_tensor(loss):  # a train_step that returned a number
+            loss = torch.tensor(float(loss))
+        step_loss += loss.detach().reshape(1).to(step_loss) / accumulation
+    return step_loss
 
 
 def _build_model(spec: WorkerSpec) -> torch.nn.Module:
@@ -147,6 +198,7 @@ def _train(spec: WorkerSpec) -> dict:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(os.environ.get("RAYZERO_THREADS_PER_WORKER", "1"))))
+    _bind_device()  # before zero_init or the engine makes a device tensor or a process group
     plan = _plan_for(spec, world)
     config = {**spec.config, **plan.config_overrides()}
     if rank == 0:  # the bucket sizes rayzero derives reach the console as a start-up phase line
@@ -210,28 +262,16 @@ def _train(spec: WorkerSpec) -> dict:
     last_time = time.perf_counter()
     loss_value = float("nan")
     for step in range(start_step, spec.max_steps):
-        step_loss = torch.zeros(1)
+        ids_seen: list = []
         if order is not None:
-            batches = micro_batches(order, step, spec.global_batch, dp_world, dp_rank, plan.micro_batch)
+            ids = micro_batches(order, step, spec.global_batch, dp_world, dp_rank, plan.micro_batch)
+            batches = _collated(ids, spec.data, collate, ids_seen)
         else:
             batches = (next(stream) for _ in range(plan.accumulation))
-        ids_seen = []
-        for ids_or_batch in batches:
-            if order is not None:
-                ids_seen.extend(ids_or_batch)
-                batch = collate([spec.data[i] for i in ids_or_batch])
-            else:
-                batch = ids_or_batch
-            if spec.train_step is not None:
-                loss = spec.train_step(engine, batch)
-            else:
-                loss = _forward_loss(engine, spec, batch)
-                engine.backward(loss)
-                engine.step()
-            step_loss += float(loss.detach() if torch.is_tensor(loss) else loss) / plan.accumulation
+        step_loss = run_step(engine, spec, batches, plan.accumulation)
         if world > 1:  # every data shard appears tp times in the world, so the world mean is the shards' mean
-            step_loss = engine.comm.sum_scalar(step_loss.to(engine.comm.device))
-        loss_value = step_loss.item() / world
+            step_loss = engine.comm.sum_scalar(step_loss)
+        loss_value = step_loss.item() / world  # the step's one read of the loss
         if samples_log is not None:
             with open(samples_log, "a") as f:
                 f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "dp_rank": dp_rank,
@@ -268,6 +308,27 @@ def _train(spec: WorkerSpec) -> dict:
     result = {"final_loss": loss_value, "world_size": world, "start_step": start_step, "resumed_from": resumed_from}
     engine.destroy()
     return result
+
+
+def _bind_device() -> None:
+    """Make this worker's device current.  Ray assigns each GPU worker its GPUs and shows it those of its
+    node's workers (CUDA_VISIBLE_DEVICES); the device is the position of its own GPU there, which LOCAL_RANK
+    need not be, so that position is what the worker binds."""
+    from rayzero.accelerator import DEVICE_INDEX_ENV_VAR, bind_rank_device, get_accelerator
+
+    acc = get_accelerator()
+    if acc.name == "cpu":
+        return
+    if DEVICE_INDEX_ENV_VAR not in os.environ:
+        try:
+            from ray.train.torch import get_device
+
+            assigned = get_device()
+        except Exception:  # noqa: BLE001 - no devices assigned by Ray: LOCAL_RANK decides
+            assigned = None
+        if assigned is not None and assigned.type == acc.device().type and assigned.index is not None:
+            os.environ[DEVICE_INDEX_ENV_VAR] = str(assigned.index)
+    bind_rank_device(acc)
 
 
 def _phase(ctx, text: str) -> None:
