@@ -2,7 +2,7 @@
 group that cannot carry device tensors (gloo, as Ray Train starts it without GPUs), and the worker's step.
 
 They run the stand-in accelerators of tests/device_cases.py.  The Ray test selects them in Ray's worker
-processes by naming their factories in ``RAYZERO_ACCELERATOR`` (``device_cases:StandInDeviceAccelerator``).
+processes by naming their factories in ``RAYZERO_ACCELERATOR`` (``device_fit_cases:OwnDeviceAccelerator``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,20 @@ from typing import NamedTuple
 
 import torch
 
-from device_cases import use_standin
+from device_cases import StandInDeviceAccelerator, use_standin
+
+
+class OwnDeviceAccelerator(StandInDeviceAccelerator):
+    """The stand-in device as a launcher that shows each worker only its own device presents it (Ray's
+    workers, each with CUDA_VISIBLE_DEVICES of its own): every process sees one device, index 0, and no two
+    processes share it.  (The stand-in device computes backward only on index 0: torch's autograd engine
+    counts one device for a device kind registered from Python.)"""
+
+    def device_count(self) -> int:
+        return 1
+
+    def device_identity(self, index: int) -> str:
+        return f"the device of process {os.getpid()}"
 
 
 def zero_init_on_the_rank_device(rank: int, world: int, on_device: bool) -> dict:

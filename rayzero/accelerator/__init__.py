@@ -178,8 +178,12 @@ def bind_rank_device(accelerator: Accelerator | None = None) -> int | None:
 
 
 def device_identity(accelerator: Accelerator, index: int) -> str:
-    """What tells this process's device ``index`` apart from the other devices of its host: the device's
-    UUID where torch reports one (it stays the same whatever each process is shown), else the index."""
+    """What tells this process's device ``index`` apart from the other devices of its host: the
+    accelerator's own ``device_identity(index)`` where it has one, else the device's UUID where torch reports
+    one (it stays the same whatever each process is shown), else the index."""
+    own = getattr(accelerator, "device_identity", None)
+    if callable(own):
+        return str(own(index))
     module = getattr(torch, accelerator.device(index).type, None)
     try:
         uuid = getattr(module.get_device_properties(index), "uuid", None)

@@ -1,0 +1,157 @@
+"""GPU readiness without a GPU: the rank's device binding, rayzero's groups over a gloo default group, the
+worker's batches and loss on the device, and ``rayzero.fit`` end to end on the stand-in device
+(tests/standin_device.py), each against the same run on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import device_fit_cases
+import rayzero
+from distributed import run_distributed
+from ray_cases import Regression, model_factory, mse
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+
+
+# ---- without Ray ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["device", "host-storage"])
+def test_zero_init_puts_the_shards_on_the_rank_device(on_device):
+    """LOCAL_RANK=1 binds device 1 before zero_init makes its shards (and its group: a gloo default group
+    here, so on the device rayzero's own group of the device backend carries them)."""
+    bound = run_distributed(device_fit_cases.zero_init_on_the_rank_device, 2, on_device)
+    plain = run_distributed(device_fit_cases.zero_init_on_the_rank_device, 2, False)
+    for rank, (b, p) in enumerate(zip(bound, plain)):
+        assert b["set_devices"] == [rank]
+        assert b["devices"] == ([f"standin:{rank}"] if on_device else ["cpu"])
+        for name, shard in p["shards"].items():
+            assert torch.equal(b["shards"][name], shard), name
+
+
+def test_two_ranks_bound_to_one_device_stop_at_set_up():
+    # (whichever rank reports first)
+    with pytest.raises(AssertionError, match=r"rank [01] and rank\(s\) \[[01]\] of the same host are bound to "
+                                             r"one standin device \(standin:0: LOCAL_RANK=[02].*resources_per_worker"):
+        run_distributed(device_fit_cases.two_ranks_on_one_device, 2, init_pg=False)
+
+
+def test_groups_over_a_gloo_default_group_carry_device_tensors():
+    for r in run_distributed(device_fit_cases.a_gloo_group_given_for_device_tensors, 2):
+        assert (r["default"], r["world"]) == ("gloo", "standin")
+        assert torch.equal(r["total"], torch.tensor([3.0]))
+        assert "does not carry standin tensors" in r["refused"]
+        assert "new_group(ranks, backend='standin')" in r["refused"]
+
+
+def test_batches_reach_the_device_whatever_their_nesting():
+    r = run_distributed(device_fit_cases.nested_batch_to_device, 1, init_pg=False)[0]
+    assert r["devices"] == ["standin:0"] * 4
+    assert r["types"] == ["Pair", "list", "tuple"] and r["others"] == ["text", 3]
+    assert torch.equal(r["values"][0], torch.ones(2)) and torch.equal(r["values"][1], torch.arange(4))
+
+
+def test_the_worker_reads_the_loss_once_a_step_whatever_the_micro_batches():
+    r = run_distributed(device_fit_cases.loss_reads_per_step, 2, init_pg=False)
+    for rank in r:
+        # one read a step, whatever the accumulation: the clipping norm's (the loss is read after the step)
+        assert rank["reads"] == {1: 1, 4: 1}
+        assert all(device == "standin:0" for device, _ in rank["losses"].values())
+
+
+def test_fractional_gpus_are_refused_before_launch():
+    with pytest.raises(rayzero.ConfigError, match=r"'GPU': 0.5.*two ranks cannot share one device.*'GPU': 1"):
+        rayzero.ClusterConfig(workers=2, use_gpu=True, resources_per_worker={"CPU": 1, "GPU": 0.5}).validate()
+    rayzero.ClusterConfig(workers=2, use_gpu=True, resources_per_worker={"CPU": 1, "GPU": 1}).validate()
+
+
+def test_an_accelerator_named_by_its_factory_loads_in_any_process(monkeypatch):
+    from rayzero.accelerator import ACCELERATOR_ENV_VAR, _factories, _instances, get_accelerator
+
+    key = "device_cases:standinaccelerator"
+    monkeypatch.setenv(ACCELERATOR_ENV_VAR, "device_cases:StandInAccelerator")
+    try:
+        acc = get_accelerator()
+        assert type(acc).__name__ == "StandInAccelerator" and get_accelerator() is acc
+    finally:
+        _factories.pop(key, None)
+        _instances.pop(key, None)
+    monkeypatch.setenv(ACCELERATOR_ENV_VAR, "device_cases:NoSuchFactory")
+    with pytest.raises(ValueError, match="cannot be loaded.*AttributeError.*PYTHONPATH"):
+        get_accelerator()
+    _factories.pop("device_cases:nosuchfactory", None)
+
+
+# ---- rayzero.fit on a local Ray cluster ----------------------------------------------------------------
+
+ray = pytest.importorskip("ray")
+
+CONFIG = {
+    "train_batch_size": 12,
+    "train_micro_batch_size_per_gpu": 3,  # two micro-batches a step on each of the two workers
+    "zero_optimization": {"stage": 0, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 20},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "gradient_clipping": 1.0,
+}
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # the workers import this worktree's rayzero and the tests' modules (the stand-in's factory among them)
+    ray.init(num_cpus=3, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}"}})
+    yield
+    ray.shutdown()
+
+
+def _fit(tmp_path, name: str, stage: int, offload: bool, accelerator: str | None, monkeypatch):
+    from rayzero.accelerator import ACCELERATOR_ENV_VAR
+    from rayzero.checkpoint.tools import export
+
+    zero = {**CONFIG["zero_optimization"], "stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if accelerator:
+        monkeypatch.setenv(ACCELERATOR_ENV_VAR, accelerator)  # fit hands it to its workers
+    else:
+        monkeypatch.delenv(ACCELERATOR_ENV_VAR, raising=False)
+    result = rayzero.fit(
+        model_factory,
+        {"workers": 2, "storage": str(tmp_path), "name": name, "checkpoint_every": 0, "progress": False},
+        config={**CONFIG, "zero_optimization": zero},
+        data=Regression(),
+        loss_fn=mse,
+        max_steps=STEPS,
+    )
+    out = tmp_path / f"{name}.pt"
+    export(result.run_dir, str(out), tag=os.path.basename(result.checkpoint))
+    return result.losses, torch.load(out)
+
+
+# stage 3 resizes parameter storages, which the stand-in device cannot: it runs on the stand-in accelerator
+# whose tensors are host tensors (device binding and the worker path, not device placement)
+ON_DEVICE = "device_fit_cases:OwnDeviceAccelerator"
+HOST_STORAGE = "device_cases:StandInAccelerator"
+
+
+@pytest.mark.parametrize("stage,offload,accelerator", [
+    (0, False, ON_DEVICE), (1, False, ON_DEVICE), (2, False, ON_DEVICE), (3, False, HOST_STORAGE),
+    (2, True, ON_DEVICE),
+], ids=["stage0", "stage1", "stage2", "stage3", "stage2-offload"])
+def test_fit_on_the_device_equals_fit_on_the_cpu(ray_cluster, tmp_path, monkeypatch, stage, offload, accelerator):
+    """Two workers under Ray Train's gloo default group (no GPUs asked for): the batches, the loss and every
+    collective of the engine run on the stand-in device, through rayzero's group of the stand-in backend."""
+    losses, weights = _fit(tmp_path, "device", stage, offload, accelerator, monkeypatch)
+    cpu_losses, cpu_weights = _fit(tmp_path, "cpu", stage, offload, None, monkeypatch)
+    # Bitwise: the stand-in computes each operator on the CPU, and with two ranks every sum across them has
+    # two addends, which any backend adds to the same value.
+    assert losses == cpu_losses and len(losses) == STEPS
+    assert weights.keys() == cpu_weights.keys()
+    for k, v in cpu_weights.items():
+        assert torch.equal(weights[k], v), k
