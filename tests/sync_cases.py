@@ -143,3 +143,36 @@ def step_syncs(rank: int, world: int, runs: list[dict], on_device: bool) -> list
                     "norm": engine.global_grad_norm})
         engine.destroy()
     return out
+
+
+def counter_kinds(rank: int, world: int) -> dict:
+    """Each kind of sync once on the ``standin`` device, the same work on host tensors and a non-blocking
+    copy (neither counts), then host work under the ``"all"`` scope: the kinds each counter saw."""
+    import standin_device
+
+    standin_device.install()
+    d = torch.arange(6, dtype=torch.float32).to("standin")  # (made before counting)
+    mask, repeats = (d > 2), torch.tensor([1, 2, 0, 1, 1, 1]).to("standin")
+    h = torch.arange(6, dtype=torch.float32)
+    with SyncCounter("device") as device:
+        d[1].item(); bool(d[2]); float(d[3]); int(d[4])  # noqa: E702 - one line, one stack location
+        d.tolist()
+        d[mask]
+        d.nonzero()
+        torch.masked_select(d, mask)
+        torch.unique(d)
+        d.repeat_interleave(repeats)
+        torch.bincount(repeats, minlength=8)
+        d.cpu()
+        torch.tensor([1.0, 2.0], device="standin")
+        # not syncs: the same with sizes given, copies that do not wait, host tensors, device-only work
+        d.repeat_interleave(repeats, output_size=6)
+        d.to("cpu", non_blocking=True)
+        h[h > 2].sum().item(); h.tolist()  # noqa: E702
+        (d * 2).sum()
+    with SyncCounter("all") as host:
+        h[1].item()
+        h[h > 2]
+        h.tolist()
+        (h * 2).sum()
+    return {"device": [(s.kind, s.where) for s in device.syncs], "all": [s.kind for s in host.syncs]}

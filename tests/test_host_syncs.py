@@ -102,3 +102,18 @@ def test_dropless_moe_reads_the_counts_once_per_layer_and_micro_batch(kind, ep):
             lines = r["summary"].splitlines()
             assert any(line.startswith(f"{reads} x {DISPATCH_READ}") for line in lines), where
             assert any(line.startswith(f"1 x {NORM_READ}") for line in lines), where
+
+
+def test_the_counter_sees_each_kind_of_sync_and_where():
+    (r,) = run_distributed(sync_cases.counter_kinds, 1, init_pg=False)
+    kinds = [k for k, _ in r["device"]]
+    scalar = "scalar read (.item() / bool() / float() / int())"
+    assert kinds == [scalar] * 4 + [
+        "tolist", "indexing with a boolean mask", "nonzero", "masked_select", "unique",
+        "repeat_interleave with tensor repeats and no output_size", "bincount (its size reads the input's maximum)",
+        "blocking copy device->host", "blocking copy host->device",
+    ], r["device"]
+    # each names the line that made it (the case's own, outside rayzero)
+    assert all(where.startswith("sync_cases.py:") and "counter_kinds" in where for _, where in r["device"])
+    assert len({where for _, where in r["device"][:4]}) == 1  # the four scalar reads share their line
+    assert r["all"] == [scalar, "indexing with a boolean mask", "tolist"]
