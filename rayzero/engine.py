@@ -304,10 +304,10 @@ class Engine:
         chosen = {"fused", "foreach", "capturable", "differentiable"} & set(opt.params)
         if opt.type.lower() in ("adam", "adamw") and not chosen and self.accelerator.supports_fused_optimizer():
             opt = OptimizerConfig(type=opt.type, params={**opt.params, "fused": True})
-        if (self.config.graph_capture.enabled and self.accelerator.name == "cuda"
-                and opt.type.lower() in ("adam", "adamw") and "capturable" not in opt.params):
-            # a CUDA graph replays the step's kernels: its step counter must live on the device
-            opt = OptimizerConfig(type=opt.type, params={**opt.params, "capturable": True})
+        if self.config.graph_capture.enabled:  # what a captured step needs (CUDA: no reads of the device)
+            from rayzero.capture import capture_optimizer_config
+
+            opt = capture_optimizer_config(opt, self.accelerator.name)
         return opt
 
     # ---- accumulation boundary -------------------------------------------------------------------------
@@ -463,8 +463,10 @@ class Engine:
         """The learning rate of each of the user's param groups (a group holding dense parameters and
         experts is two optimizer groups inside, stepped with the same rate)."""
         lrs: dict[int, float] = {}
-        for g, group in zip(self.partitions.groups, self.optimizer.param_groups):
-            lrs.setdefault(g.user_group, float(group["lr"]))  # a captured step keeps it as a 0-dim tensor
+        # a captured step keeps the lr as a device tensor: the capture knows its value without reading it
+        host = self._capture.host_lrs() if self._capture is not None else None
+        for i, (g, group) in enumerate(zip(self.partitions.groups, self.optimizer.param_groups)):
+            lrs.setdefault(g.user_group, host[i] if host is not None else float(group["lr"]))
         return [lrs[k] for k in sorted(lrs)]
 
     @property

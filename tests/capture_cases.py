@@ -148,3 +148,48 @@ def cached(rank: int, world: int, cache_dir: str) -> dict:
     inductor = counters["inductor"]
     run.update(hits=inductor["fxgraph_cache_hit"], misses=inductor["fxgraph_cache_miss"])
     return run
+
+
+def sgd_under_capture(rank: int, world: int, params: dict, accelerator: str) -> dict:
+    """SGD with graph capture on a CPU stand-in named ``accelerator``: the error ``initialize`` raises, or
+    the optimizer's kernel choice, and the host syncs (tests/sync_count.py, every tensor) of the second
+    step and of ``get_lr()``.  Capture starts after 100 warm-up steps, so the steps run eagerly, but the lr
+    is already the 0-dim tensor the captured step reads, as in the warm-up before a CUDA capture."""
+    import os
+
+    from rayzero.accelerator import register_accelerator
+    from rayzero.accelerator.cpu import CpuAccelerator
+    from sync_count import SyncCounter
+
+    class StandIn(CpuAccelerator):  # the CPU's kernels under another device kind's name
+        name = accelerator
+
+    register_accelerator(accelerator, StandIn, replace=True)
+    os.environ["RAYZERO_ACCELERATOR"] = accelerator
+    cfg = base_config(1, world, 8, scheduler=SCHEDULER, optimizer={"type": "SGD", "params": {"lr": 0.1, **params}},
+                      graph_capture={"enabled": True, "warmup_steps": 100})
+    try:
+        engine = rayzero.initialize(make_model(), cfg)
+    except Exception as e:  # noqa: BLE001 - the test checks the type and the message
+        return {"error": f"{type(e).__name__}: {e}"}
+    group = engine.optimizer.param_groups[0]
+    out = {"error": None, "fused": group["fused"], "foreach": group["foreach"], "tensor_lr": torch.is_tensor(group["lr"])}
+    for i, (x, y) in enumerate(batches(2, 8)):
+        counter = SyncCounter("all")
+        with counter if i == 1 else _no_count():
+            engine.backward(torch.nn.functional.mse_loss(engine(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]))
+            engine.step()
+    with SyncCounter("all") as lr_reads:
+        lrs = engine.get_lr()
+    out.update(step_syncs=counter.summary(), step_count=len(counter), lr=lrs,
+               lr_on_device=[float(g["lr"]) for g in engine.optimizer.param_groups], lr_syncs=lr_reads.summary())
+    engine.destroy()
+    return out
+
+
+class _no_count:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None

@@ -11,6 +11,10 @@ The process-group backend ``standin`` runs gloo on the payloads and refuses any 
 that builds a flag, a norm or a loss on the host and hands it to a collective fails here on a CPU-only CI
 machine, instead of first failing on a GPU node.
 
+Every operator that reaches a ``standin`` tensor is first shown to each callable in ``op_hooks`` as
+``hook(func, args, kwargs)`` (``.tolist()`` as ``hook("tolist", (tensor,), {})``): tests/sync_count.py counts
+host syncs there.
+
 Call ``install()`` once per process, before any tensor is created on the device (the PrivateUse1 key can
 be named only once per process, so each test that uses it runs in its own worker processes).
 """
@@ -24,6 +28,7 @@ DEVICE = "standin"
 _COPIES = {"_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "copy"}
 _installed = False
 _libraries: list = []  # registrations live as long as these objects
+op_hooks: list = []  # callables shown every operator on this device's tensors (see the module docstring)
 
 
 class HostTensorError(RuntimeError):
@@ -61,6 +66,8 @@ class StandInTensor(torch.Tensor):
             self._payload = new._payload
 
     def tolist(self):  # a device-to-host read, as on any accelerator
+        for hook in op_hooks:
+            hook("tolist", (self,), {})
         return self._payload.tolist()
 
     def data_ptr(self) -> int:  # the payload's address, so identity checks on addresses still work
@@ -98,6 +105,8 @@ def _index_of(args, kwargs) -> int:
 
 
 def _run(func, args, kwargs):
+    for hook in op_hooks:
+        hook(func, args, kwargs)
     name = func._opname
     if func.namespace == "c10d":  # a collective of another backend (gloo, say) was handed device tensors
         raise HostTensorError(f"c10d.{name}: {DEVICE} tensors can only go through the {DEVICE} backend's groups")
@@ -215,8 +224,8 @@ def install() -> None:
     # torch.tensor(data, device=...) copies in with the Python key excluded, and the generic fallback
     # cannot serve that copy_: it gets a kernel of its own
     _aten = torch.library.Library("aten", "IMPL")
-    _aten.impl("copy_", lambda dst, src, non_blocking=False: _run(torch.ops.aten.copy_.default, (dst, src), {}),
-               "PrivateUse1")
+    _aten.impl("copy_", lambda dst, src, non_blocking=False: _run(torch.ops.aten.copy_.default, (dst, src),
+                                                                   {"non_blocking": non_blocking}), "PrivateUse1")
     _libraries.extend([library, _aten])
     dist.Backend.register_backend(DEVICE, StandInProcessGroup, devices=[DEVICE])
     _installed = True

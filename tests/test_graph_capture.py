@@ -127,3 +127,26 @@ def test_compile_cache_lets_a_new_process_skip_inductor(tmp_path):
     for a, b in zip(first, second):
         assert b["cache_loaded"] > 0 and b["misses"] == 0 and b["hits"] >= a["misses"]
         assert a["norms"] == b["norms"] and a["losses"] == b["losses"]
+
+
+def test_sgd_under_cuda_capture_runs_fused_and_reads_nothing_back():
+    """On CUDA the captured step's lr is a device tensor, and a CUDA graph cannot replay a read of it:
+    rayzero runs SGD's fused kernel (which takes the tensor lr), and refuses the foreach / per-tensor
+    kernels (which read it with .item()) at initialize.  Checked on a CPU stand-in named "cuda", counting
+    host syncs (tests/sync_count.py) in an eager step with the tensor lr: only the norm's read; and
+    get_lr() reads no device tensor."""
+    (fused,) = run_distributed(capture_cases.sgd_under_capture, 1, {}, "cuda")
+    assert fused["error"] is None and fused["fused"] is True and fused["tensor_lr"]
+    assert fused["step_count"] == 1 and "rayzero/optim/clip.py" in fused["step_syncs"], fused["step_syncs"]
+    assert fused["lr_syncs"] == "no host syncs"
+    # the schedule's value (its log warm-up reaches warmup_max_lr at step 2), not the config's 0.1; the
+    # device tensor holds it in fp32
+    assert fused["lr"] == [0.01] and fused["lr_on_device"] == pytest.approx([0.01], rel=1e-6)
+    for bad in ({"foreach": True}, {"fused": False}):
+        (refused,) = run_distributed(capture_cases.sgd_under_capture, 1, bad, "cuda")
+        key = next(iter(bad))
+        assert refused["error"].startswith("ConfigError") and f"optimizer.params.{key}" in refused["error"]
+        assert "fused SGD" in refused["error"] and "graph_capture" in refused["error"]
+    (adam,) = run_distributed(capture_cases.refused, 1, {"optimizer": {"type": "AdamW", "params": {"capturable": False}}},
+                              "cuda")
+    assert adam.startswith("ConfigError") and "capturable" in adam

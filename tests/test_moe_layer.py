@@ -215,7 +215,9 @@ def test_large_capacity_equals_dropless():
     a, b = run_layer(dropless, x, g), run_layer(capped, x, g)
     assert torch.equal(a["out"], b["out"]) and torch.equal(a["x_grad"], b["x_grad"])
     for name in a["grads"]:
-        assert torch.equal(a["grads"][name], b["grads"][name]), name
+        # with a capacity every expert computes capacity rows, the unused ones zeros: its weight gradient
+        # sums more (zero) rows, in another order, so it may differ in the last bit
+        torch.testing.assert_close(a["grads"][name], b["grads"][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 # ---- 4/5. expert parallelism (and tensor parallelism) on gloo ranks -----------------------------

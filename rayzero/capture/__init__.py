@@ -14,12 +14,45 @@ import torch
 
 from rayzero.accelerator.graphs import GraphCaptureError, capture_off_error
 from rayzero.capture.step import StepCapture
-from rayzero.config import ConfigError
+from rayzero.config import ConfigError, OptimizerConfig
 
 if TYPE_CHECKING:
     from rayzero.engine import Engine
 
-__all__ = ["GraphCaptureError", "StepCapture", "check_capture", "setup_capture"]
+__all__ = ["GraphCaptureError", "StepCapture", "capture_optimizer_config", "check_capture", "setup_capture"]
+
+
+def capture_optimizer_config(opt: OptimizerConfig, accelerator: str) -> OptimizerConfig:
+    """The optimizer settings a captured step needs on device kind ``accelerator``.
+
+    A CUDA graph replays the step's kernels, so nothing in the step may read the device back to the host
+    (the lr is a device tensor under capture, ``rayzero/capture/step.py``): Adam and AdamW keep their step
+    counter on the device (``capturable``); SGD runs its fused kernel, the one that takes a tensor lr on
+    the device (torch's foreach and per-tensor SGD read it with ``.item()``).  A setting that cannot be
+    captured is a ConfigError naming the fix.  Other device kinds (CPU: inductor) take the config as it is.
+    """
+    if accelerator != "cuda":
+        return opt
+    kind, params = opt.type.lower(), dict(opt.params)
+    where = f"config key 'graph_capture.enabled' = true on cuda with optimizer.type {opt.type!r}"
+    if kind in ("adam", "adamw"):
+        if params.get("capturable", True) is not True:
+            raise ConfigError(
+                f"{where} and optimizer.params.capturable = {params['capturable']!r}: a CUDA graph replays "
+                "the step, whose step counter must then live on the device; remove 'capturable' (rayzero sets "
+                "it) or disable graph_capture")
+        params["capturable"] = True
+    elif kind == "sgd":
+        blocking = {k: params[k] for k, ok in (("foreach", False), ("fused", True), ("differentiable", False))
+                    if k in params and params[k] not in (ok, None)}
+        if blocking:
+            chosen = ", ".join(f"optimizer.params.{k} = {v!r}" for k, v in blocking.items())
+            raise ConfigError(
+                f"{where} and {chosen}: only torch's fused SGD kernel takes the learning rate as a device "
+                "tensor; its foreach and per-tensor kernels read it back with .item(), which a CUDA graph "
+                "cannot replay. Remove those keys (rayzero then uses fused SGD) or disable graph_capture")
+        params["fused"] = True
+    return OptimizerConfig(type=opt.type, params=params)
 
 
 def check_capture(engine: "Engine") -> None:
@@ -37,6 +70,7 @@ def check_capture(engine: "Engine") -> None:
             f"{getattr(z, offloaded[0]).device!r}: a captured step cannot read states that move between the "
             "host, the device and NVMe each step; disable one of the two"
         )
+    capture_optimizer_config(cfg.optimizer or OptimizerConfig(), acc.name)  # refused before the model is touched
     if "model" in cfg.graph_capture.targets and engine.stage == 3:
         raise ConfigError(
             "config key 'graph_capture.targets' includes 'model' at ZeRO stage 3: stage 3 gathers each "

@@ -76,9 +76,21 @@ class StepCapture:
     def _tensor_lr(self) -> None:
         """A float lr in the optimizer is a constant of a compiled graph (a scheduler's change would
         recompile it each step); as a 0-dim tensor it is an input, and the schedulers fill it in place."""
+        self._start_lrs = [float(group["lr"]) for group in self.engine.optimizer.param_groups]
         for group in self.engine.optimizer.param_groups:
             if not torch.is_tensor(group["lr"]):
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.sq.device)
+
+    def host_lrs(self) -> list[float]:
+        """Each optimizer group's lr, known on the host: reading the device tensor would make the host
+        wait for the device, every step a loop logs it.  rayzero's schedulers are closed forms of the step
+        count, and without one the lr stays what it was (a load keeps the config's)."""
+        scheduler = self.engine.lr_scheduler
+        if scheduler is None:
+            return list(self._start_lrs)
+        if hasattr(scheduler, "lr_at"):
+            return [float(lr) for lr in scheduler.lr_at(max(scheduler.last_epoch, 0))]
+        return [float(group["lr"]) for group in self.engine.optimizer.param_groups]
 
     # ---- guards ----------------------------------------------------------------------------------------
     def _bound_tensors(self, half: str) -> list[torch.Tensor]:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from rayzero.moe.dispatch import expert_parallel_apply
+from rayzero.moe.dispatch import expert_counts, expert_parallel_apply
 from rayzero.parallel.slicing import SplitSpec, mark_split, take_slice
 from rayzero.tp.regions import copy_to_tp, reduce_from_tp
 
@@ -73,7 +73,7 @@ def drop_over_capacity(topk_index: torch.Tensor, num_experts: int, capacity: int
     if n == 0:
         return topk_index.clone()
     order = torch.argsort(flat, stable=True)  # expert-major, token order inside each expert
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)[:num_experts]
     starts = torch.cumsum(counts, 0) - counts
     position = torch.empty_like(flat)
     position[order] = torch.arange(n, device=flat.device) - starts[flat[order]]
@@ -382,7 +382,7 @@ class MoE(nn.Module):
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
 
         tokens = x.shape[0]
-        chosen = torch.bincount(topk_index.reshape(-1), minlength=self.num_experts)
+        chosen = expert_counts(topk_index, self.num_experts)[: self.num_experts]
         if tokens:
             fraction = chosen.to(probs.dtype) / (tokens * self.top_k)
             balance = self.num_experts * torch.sum(fraction * probs.mean(dim=0))
@@ -391,14 +391,19 @@ class MoE(nn.Module):
             balance = z_loss = logits.sum() * 0.0
         self.aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z_loss
 
-        if self.capacity_factor is not None:
-            capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        capacity = self.capacity(tokens)
+        if capacity is not None:
             topk_index = drop_over_capacity(topk_index, self.num_experts, capacity)
-            kept = topk_index.reshape(-1)
-            self.tokens_per_expert = torch.bincount(kept[kept >= 0], minlength=self.num_experts).detach()
+            self.tokens_per_expert = expert_counts(topk_index, self.num_experts)[: self.num_experts].detach()
         else:
             self.tokens_per_expert = chosen.detach()
         return topk_index, topk_weight, probs, logits
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments each expert takes from this rank's ``tokens`` (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
 
     # ---- forward ---------------------------------------------------------------------------------
 
@@ -406,8 +411,10 @@ class MoE(nn.Module):
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         topk_index, topk_weight, _, _ = self.route(x)
+        # with a capacity the exchange has fixed sizes: no read of the routing back to the host
         out = expert_parallel_apply(
-            x, topk_index, topk_weight, self.num_experts, self.experts, ep_group=self.ep_group, ep_size=self.ep_size
+            x, topk_index, topk_weight, self.num_experts, self.experts, ep_group=self.ep_group, ep_size=self.ep_size,
+            capacity=self.capacity(x.shape[0]),
         )
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).to(out.dtype)

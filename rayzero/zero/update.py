@@ -4,6 +4,8 @@ be the weights a host's ranks share."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from rayzero.zero.partition import Partitions
@@ -14,6 +16,18 @@ def folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     kernels: what its GradScaler relies on)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
         group.get("fused") for group in optimizer.param_groups)
+
+
+# each optimizer's grad_scale, one 0-dim tensor for good: filled in place every step, because building a
+# device tensor from a Python number is a blocking host-to-device copy (the host waits for the device)
+_grad_scales: "weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def _grad_scale(optimizer: torch.optim.Optimizer, value: float, device: torch.device) -> torch.Tensor:
+    scale = _grad_scales.get(optimizer)
+    if scale is None or scale.device != device:
+        scale = _grad_scales[optimizer] = torch.empty((), dtype=torch.float32, device=device)
+    return scale.fill_(value)
 
 
 def update(optimizer: torch.optim.Optimizer, partitions: Partitions, swap, multiplier: float) -> None:
@@ -27,7 +41,7 @@ def update(optimizer: torch.optim.Optimizer, partitions: Partitions, swap, multi
         for g in partitions.groups:
             g.grad.mul_(multiplier)
     if fold:
-        optimizer.grad_scale = torch.tensor(1.0 / multiplier, dtype=torch.float32, device=partitions.state_device)
+        optimizer.grad_scale = _grad_scale(optimizer, 1.0 / multiplier, partitions.state_device)
     try:
         if swap is not None:
             swap.step(partitions.groups)
