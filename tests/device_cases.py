@@ -459,12 +459,12 @@ def offload_copies(rank: int, world: int, on_device: bool, pin: bool, bucket: in
     if acc is not None:
         log = CopyLog(acc)
         steps: list[dict] = []
-        mark = [0, acc.host_waits, engine.reducer.host_waits]
+        mark = [0, acc.host_waits, getattr(engine.reducer, "host_waits", 0)]
 
         def on_step(i):
             steps.append({"copies": log.copies[mark[0]:], "host_waits": acc.host_waits - mark[1],
-                          "reducer_waits": engine.reducer.host_waits - mark[2]})
-            mark[:] = [len(log.copies), acc.host_waits, engine.reducer.host_waits]
+                          "reducer_waits": getattr(engine.reducer, "host_waits", 0) - mark[2]})
+            mark[:] = [len(log.copies), acc.host_waits, getattr(engine.reducer, "host_waits", 0)]
 
         with log:
             losses, norms = _train(engine, rank, device, batches(3, 8), on_step)
@@ -573,18 +573,19 @@ def stage3_gather_group(rank: int, world: int, separate: bool | None) -> dict:
                 return _fn(*args, **kwargs)
             setattr(comm, op, run)
 
+    twin = getattr(domain, "gather_comm", None)
     counted(domain.comm, "reduce")
-    if domain.gather_comm is not None:
-        counted(domain.gather_comm, "gather")
+    if twin is not None:
+        counted(twin, "gather")
     losses, norms = _train(engine, rank, torch.device("cpu"), batches(2, 8))
     import torch.distributed as dist
 
     out = {"losses": losses, "norms": norms, "state": engine.full_state_dict(), "counts": counts,
-           "separate": domain.gather_comm is not None}
-    if domain.gather_comm is not None:
-        out["same_ranks"] = (dist.get_process_group_ranks(domain.gather_comm.group)
+           "separate": twin is not None}
+    if twin is not None:
+        out["same_ranks"] = (dist.get_process_group_ranks(twin.group)
                              == dist.get_process_group_ranks(domain.comm.group or dist.group.WORLD))
-        out["same_group"] = domain.gather_comm.group is domain.comm.group
+        out["same_group"] = twin.group is domain.comm.group
     engine.destroy()
     return out
 

@@ -220,3 +220,45 @@ def test_a_device_backend_gets_the_second_group():
     for rank, out in enumerate(run_distributed(device_cases.gather_group_on_device_backend, 2, init_pg=False)):
         assert out["has_twin"] and out["distinct"] and out["ranks"] == [0, 1] and out["backend"] == "standin"
         assert torch.equal(out["rows"], torch.tensor([[0.0] * 3, [1.0] * 3]))
+
+
+def test_the_driver_decides_auto_offload_from_the_devices_memory():
+    """``rayzero.fit``'s planning on GPU nodes (their reports give the device's memory, and the host's):
+    stage 3 on 2 workers needs 8 GiB of model state each; 10 GiB devices hold it, 6 GiB devices do not, and
+    then the optimizer goes to the CPU (8 GiB of host memory per worker), not to NVMe; the pre-launch check
+    counts the device part against the device and the host part against the host."""
+    import rayzero
+    from rayzero.config import Config
+    from rayzero.train.cluster_config import ClusterConfig
+    from rayzero.train.offload_check import resolve_auto
+    from rayzero.train.state_memory import _check_fits
+
+    gib = 1 << 30
+
+    def nodes(device_gib, host_gib):
+        return [{"hostname": f"g{i}", "memory_total": int(device_gib * gib), "devices": 1, "accelerator": "cuda",
+                 "memory_source": "cuda device memory", "host_memory_total": int(host_gib * gib)} for i in range(2)]
+
+    def model():
+        with torch.device("meta"):
+            return torch.nn.Sequential(*[torch.nn.Linear(2**13, 2**13, bias=False) for _ in range(16)])
+
+    def cfg(device):
+        return Config.from_any({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": device,
+                                                                                         "nvme_path": "/nvme"}}})
+
+    two = ClusterConfig.from_any({"workers": 2})
+    roomy = cfg("auto")
+    assert "auto -> none" in resolve_auto(model(), roomy, two, nodes(10, 64))
+    tight = cfg("auto")
+    note = resolve_auto(model(), tight, two, nodes(6, 64))
+    assert tight.zero_optimization.offload_optimizer.device == "cpu", note
+    assert "do not fit the device" in note
+    _check_fits(model(), tight, two, nodes(6, 64))  # offloaded: nothing but activations left on the device
+    with pytest.raises(rayzero.ConfigError, match="offload the optimizer to the CPU"):
+        _check_fits(model(), cfg("none"), two, nodes(6, 64))
+    with pytest.raises(rayzero.ConfigError, match="GiB of host memory per worker"):
+        _check_fits(model(), cfg("cpu"), two, nodes(6, 4))
+    small_hosts = cfg("auto")  # the host cannot take the optimizer either: NVMe
+    resolve_auto(model(), small_hosts, two, nodes(6, 7))
+    assert small_hosts.zero_optimization.offload_optimizer.device == "nvme"
