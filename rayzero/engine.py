@@ -241,7 +241,7 @@ class Engine:
             for g in self.partitions.groups:
                 g.weights = g.master.detach().to(device="cpu", dtype=self.compute_dtype, copy=True)
                 if z.offload_param.pin_memory and device.type != "cpu":
-                    g.weights = g.weights.pin_memory()
+                    g.weights = self.accelerator.pin_memory(g.weights)
         user_groups = len(model_parameters) if model_parameters and isinstance(model_parameters[0], dict) else 1
         self.lr_scheduler = build_scheduler(
             cfg.scheduler, self.optimizer, [g.user_group for g in self.partitions.groups], user_groups

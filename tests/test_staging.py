@@ -1,8 +1,9 @@
 """Host-to-device staging (rayzero/offload/staging.py) with real tensors.
 
-The host side (fence wait, cast into the one buffer, packing) is the same code on every device; with
-``through_buffer=True`` a CPU staging runs it whole, its copy to the "device" included.  The pinned,
-asynchronous path runs only where CUDA is available.
+The host side (fence wait, cast into a buffer, packing) is the same code on every device; with
+``through_buffer=True`` a CPU staging runs it whole, its copy to the "device" included.  Most cases here use
+one buffer (``buffers=1``) to check its reuse; tests/test_device_streams.py has the two buffers used in turn
+and the streams.  The pinned, asynchronous path on a real device runs only where CUDA is available.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rayzero.offload.staging import DeviceFence, HostFence, HostStaging
+from rayzero.offload.staging import BufferFence, HostStaging
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
@@ -49,7 +50,7 @@ def test_cpu_cast_needs_no_buffer(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_through_buffer_reuses_one_buffer_and_grows(dtype):
-    staging = HostStaging("cpu", dtype, through_buffer=True)
+    staging = HostStaging("cpu", dtype, through_buffer=True, buffers=1)
     first = rand(10, 10, seed=1)
     out1 = staging.to_device(first)
     ptr = staging.buffer.data_ptr()
@@ -75,7 +76,7 @@ def test_through_buffer_reuses_one_buffer_and_grows(dtype):
 
 
 def test_stage_fills_the_buffer_itself():
-    staging = HostStaging("cpu", torch.bfloat16, through_buffer=True)
+    staging = HostStaging("cpu", torch.bfloat16, through_buffer=True, buffers=1)
     a, b = rand(40, seed=5), rand(3, 7, seed=6)
     host = staging.stage([a, b])
     assert host.data_ptr() == staging.buffer.data_ptr() and host.numel() == 61
@@ -86,19 +87,19 @@ def test_stage_fills_the_buffer_itself():
 
 def test_fence_is_waited_before_every_reuse():
     log: list = []
-    staging = HostStaging("cpu", torch.bfloat16, through_buffer=True, fence=HostFence(log))
+    staging = HostStaging("cpu", torch.bfloat16, through_buffer=True, fences=[BufferFence(log=log)])
     for seed in range(3):
         staging.to_device(rand(50 + seed, seed=seed))
     staging.pack([rand(8, seed=9), rand(9, seed=10)])
     # each fill of the buffer first waits for the copy recorded before it
     assert log == [("wait", 0), ("record", 1), ("wait", 1), ("record", 2), ("wait", 2), ("record", 3),
                    ("wait", 3), ("record", 4)]
-    assert staging.fence.pending
+    assert staging.fences[0].pending
     staging.synchronize()
-    assert not staging.fence.pending and log[-1] == ("wait", 4)
+    assert not staging.fences[0].pending and log[-1] == ("wait", 4)
 
 
-class SnapshotFence(HostFence):
+class SnapshotFence(BufferFence):
     """Keeps what the buffer holds each time the staging waits on it, to show it was not yet overwritten."""
 
     def __init__(self, staging_ref: list):
@@ -115,7 +116,7 @@ class SnapshotFence(HostFence):
 def test_buffer_still_holds_the_last_copy_when_waited_on():
     ref: list = []
     fence = SnapshotFence(ref)
-    staging = HostStaging("cpu", torch.float16, through_buffer=True, fence=fence)
+    staging = HostStaging("cpu", torch.float16, through_buffer=True, fences=[fence])
     ref.append(staging)
     shards = [rand(64, seed=s) for s in range(4)]
     for s in shards:
@@ -181,11 +182,11 @@ def test_stage3_gathers_through_the_buffer_train_bitwise_the_same():
 def test_pinned_path_on_cuda():
     device = torch.device("cuda", torch.cuda.current_device())
     staging = HostStaging(device, torch.bfloat16)
-    assert isinstance(staging.fence, DeviceFence) and staging.through_buffer
+    assert staging.through_buffer and len(staging.buffers) == 2
     big = [rand(1 << 24, seed=s) for s in range(3)]  # 64 MiB each: the copies take a while
-    outs = [staging.to_device(t) for t in big]  # each reuse waits for the copy before it
-    assert staging.buffer.is_pinned() and staging.grown == 1
-    ptr = staging.buffer.data_ptr()
+    outs = [staging.to_device(t) for t in big]  # two buffers in turn: the third waits for the first's copy
+    assert all(b.is_pinned() for b in staging.buffers) and staging.grown == 2
+    ptrs = {b.data_ptr() for b in staging.buffers}
     torch.cuda.synchronize()
     for out, t in zip(outs, big):
         assert out.device == device and bits_equal(out.cpu(), t.to(torch.bfloat16))
@@ -193,14 +194,14 @@ def test_pinned_path_on_cuda():
     shards = [rand(n, seed=n) for n in (1000, 3, 70_000)]
     packed = staging.pack(shards)
     torch.cuda.synchronize()
-    assert bits_equal(packed.cpu(), torch.cat(shards).to(torch.bfloat16)) and staging.buffer.data_ptr() == ptr
+    assert bits_equal(packed.cpu(), torch.cat(shards).to(torch.bfloat16)) and staging.buffer.data_ptr() in ptrs
     # a pinned partition already in the compute dtype is the copy's source itself
     part = rand(5000, dtype=torch.bfloat16).pin_memory()
     sends, grown = staging.sends, staging.grown
     out = staging.to_device(part[1000:3000])
     assert staging.sends == sends + 1 and staging.grown == grown
     staging.synchronize()
-    assert not staging.fence.events
+    assert not any(f.pending for f in staging.fences + [staging.direct])
     assert bits_equal(out.cpu(), part[1000:3000])
     # on the device already, in the compute dtype: no copy at all
     on_device = torch.ones(10, dtype=torch.bfloat16, device=device)

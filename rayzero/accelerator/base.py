@@ -100,6 +100,17 @@ class Accelerator(abc.ABC):
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         """Page-locked copy of a host tensor for fast async device copies (or the tensor itself)."""
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is host memory that :meth:`pin_memory` pinned (a device copy from it may be
+        ``non_blocking``)."""
+        return tensor.device.type == "cpu" and tensor.is_pinned()
+
+    def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None:
+        """Mark ``tensor`` (allocated on another stream) as used by ``stream``: its memory is not reused
+        before the work queued on ``stream`` so far has finished.  Devices without streams: nothing to do."""
+        if tensor.device.type != "cpu":
+            tensor.record_stream(stream)
+
     @abc.abstractmethod
     def total_memory(self, index: int | None = None) -> int:
         """The most memory this process may use on the device, in bytes."""

@@ -159,6 +159,9 @@ class CpuAccelerator(Accelerator):
             return tensor.pin_memory()
         return tensor
 
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass  # one host stream: memory is reused only after the work that read it
+
     def memory_limit(self) -> MemoryLimit:
         """Host RAM, cgroup and rlimit figures combined; ``source`` names the limit that won."""
         return detect_memory_limit(self._cgroup_root, self._proc_cgroup)

@@ -100,7 +100,8 @@ def _scalar_states(engine: "Engine") -> dict[int, dict[str, dict]]:
     return out
 
 
-def snapshot(engine: "Engine", staging: dict | None, later: list | None = None) -> list[Fragment]:
+def snapshot(engine: "Engine", staging: dict | None, later: list | None = None,
+             from_device: list | None = None) -> list[Fragment]:
     """This rank's fragments: views of the live tensors, or (``staging`` given, for a save that overlaps
     training) copies in CPU buffers kept from one async save to the next, so that later snapshots are a
     plain memory copy with no allocation or page faults.
@@ -109,7 +110,10 @@ def snapshot(engine: "Engine", staging: dict | None, later: list | None = None) 
     not made here: ``(source, buffer)`` pairs go into ``later`` and the save's own thread copies them while
     the forward and backward run (nothing changes those tensors before the next optimizer step, which
     waits for the copies: ``CheckpointIO.before_update``).  Buffers (a forward may update them) and
-    offloaded sub-groups (resident only now) are copied here."""
+    offloaded sub-groups (resident only now) are copied here.
+
+    With ``from_device`` (a list) tensors on an accelerator are not copied here either: their buffers are
+    pinned, and ``(source, buffer, deferred)`` go into ``from_device`` for :func:`copy_from_device`."""
     frags: list[Fragment] = []
 
     def take(t: torch.Tensor, key: tuple, defer: bool = False) -> torch.Tensor:
@@ -117,9 +121,14 @@ def snapshot(engine: "Engine", staging: dict | None, later: list | None = None) 
         if staging is None:
             return t.to("cpu")
         buf = staging.get(key)
+        on_device = from_device is not None and t.device.type != "cpu"
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = staging[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        if defer and later is not None:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            staging[key] = engine.accelerator.pin_memory(buf) if on_device else buf
+            buf = staging[key]
+        if on_device:
+            from_device.append((t, buf, defer and later is not None))
+        elif defer and later is not None:
             later.append((t, buf))
         else:
             buf.copy_(t)
@@ -143,6 +152,35 @@ def snapshot(engine: "Engine", staging: dict | None, later: list | None = None) 
         elif engine.rank == 0:
             frags.append(Fragment(name, STATE_WHOLE, 0, t.numel(), take(t.reshape(-1), (name, STATE_WHOLE))))
     return frags
+
+
+def copy_from_device(accelerator: Any, stream: Any, pairs: list) -> Any:
+    """Queue the copies of ``pairs`` (from :func:`snapshot`'s ``from_device``) into their pinned buffers on
+    ``stream``, after an event on the compute stream, ``non_blocking``; returns the event recorded after the
+    last copy, which the save's thread waits on before it reads the buffers.  The copies of tensors a forward
+    may change (not deferred: buffers) go first, and the compute stream waits on them (a wait on the device,
+    not the host); the deferred ones (masters, optimizer state) change only at the step, which waits for the
+    save's copies (``CheckpointIO.before_update``)."""
+    compute = accelerator.current_stream()
+    ready = accelerator.Event()
+    ready.record(compute)
+    pairs = sorted(pairs, key=lambda x: x[2])  # the tensors a forward may change first
+    with torch.no_grad(), accelerator.stream_context(stream):
+        stream.wait_event(ready)
+        early = None
+        for i, (source, buf, deferred) in enumerate(pairs):
+            if deferred and early is None and i:
+                early = accelerator.Event()
+                early.record(stream)
+            buf.copy_(source, non_blocking=accelerator.is_pinned(buf))
+            accelerator.record_stream(source, stream)
+        done = accelerator.Event()
+        done.record(stream)
+    if not pairs[-1][2]:  # nothing deferred: all of them may change in the next forward
+        early = done
+    if early is not None:
+        compute.wait_event(early)
+    return done
 
 
 def _group_fragments(engine: "Engine", gi: int, names: list[str], take) -> list[Fragment]:
@@ -274,6 +312,7 @@ class CheckpointIO:
         self.pending: BackgroundSave | None = None
         self._copied: threading.Event | None = None  # set once an async save's deferred copies are made
         self.staging: dict = {}  # async saves' CPU copies, reused across saves; freed by release()
+        self._copy_stream = None  # async saves copy device tensors on it (made on first use)
 
     def wait(self) -> None:
         """Settle an in-flight save on every rank; a failure on any rank raises on all of them."""
@@ -327,7 +366,14 @@ class CheckpointIO:
         # an async save copies the state on its own thread, unless NVMe offload may move it before the step
         later: list = []
         defer = async_save and getattr(engine, "swap", None) is None and engine.partitions.param_swap is None
-        fragments = snapshot(engine, self.staging if async_save else None, later if defer else None)
+        from_device: list = []
+        fragments = snapshot(engine, self.staging if async_save else None, later if defer else None,
+                             from_device if async_save else None)
+        device_copies = None
+        if from_device:  # the host does not wait for them here: the save's thread does
+            if self._copy_stream is None:
+                self._copy_stream = engine.accelerator.stream()
+            device_copies = copy_from_device(engine.accelerator, self._copy_stream, from_device)
         extra = {"rng": rng_state(engine.accelerator)}
         world, rank = engine.comm.world, engine.rank
         # The manifest's contents are taken now, so a save that overlaps training records this step.
@@ -345,6 +391,9 @@ class CheckpointIO:
 
         def work() -> None:
             try:
+                if device_copies is not None:
+                    device_copies.synchronize()
+                    from_device.clear()
                 with torch.no_grad():
                     for source, buf in later:
                         buf.copy_(source)

@@ -323,23 +323,44 @@ def pool_bytes(cfg, params: list[torch.Tensor], world_of) -> int:
                            optimizer_state_bytes(cfg))
 
 
-def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, dp: int) -> str:
-    """``offload_optimizer.device`` with ``auto`` decided: ``none`` when this rank's model states fit the
-    memory the process may use (cgroup and rlimit aware), else ``nvme`` (with ``nvme_path``)."""
+def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, dp: int, accelerator=None) -> str:
+    """``offload_optimizer.device`` with ``auto`` decided.  On the CPU: ``none`` when this rank's model states
+    fit the memory the process may use (cgroup and rlimit aware), else ``nvme`` (with ``nvme_path``).  On an
+    accelerator (``accelerator``, default the process's): ``none`` when they fit the device's free memory
+    (``available_memory()``), else ``cpu`` when the offloaded part fits host memory, else ``nvme``."""
     off = cfg.zero_optimization.offload_optimizer
     if off.device != "auto":
         return off.device
     from rayzero.accelerator.memory_limits import detect_memory_limit
     from rayzero.offload.plan import ram_bytes_per_param, resolve_auto_offload
 
+    if accelerator is None:
+        from rayzero.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
     mixed = cfg.compute_dtype != torch.float32
     n = sum(p.numel() for p in params)
     opt_bytes = optimizer_state_bytes(cfg)
     limit = detect_memory_limit()  # headroom left under the tightest limit (the model is built already)
     left = limit.available_bytes
+    pool = pool_bytes(cfg, params, lambda p: dp if stage else 1)
+    if accelerator.name != "cpu":
+        from rayzero.offload.plan import device_and_host_bytes_per_param, resolve_auto_offload_on_device
+
+        def split(device: str) -> tuple[int, int]:
+            on_device, on_host = device_and_host_bytes_per_param(stage, dp, mixed, opt_bytes, device)
+            return int(on_device * n), int(on_host * n) + (pool if device == "nvme" else 0)
+
+        need = split("none")[0]
+        device_left = accelerator.available_memory()
+        choice = resolve_auto_offload_on_device(need, split("cpu"), split("nvme"), device_left, left, off.nvme_path,
+                                                device_source=f"{accelerator.name} available_memory()",
+                                                host_source=limit.available_source)
+        logger.info("offload_optimizer.device auto -> %s (model states %d bytes, %d bytes free on the %s device)",
+                    choice, need, device_left, accelerator.name)
+        return choice
     need = int(ram_bytes_per_param(stage, dp, mixed, opt_bytes, "none") * n)
-    need_nvme = int(ram_bytes_per_param(stage, dp, mixed, opt_bytes, "nvme") * n)
-    need_nvme += pool_bytes(cfg, params, lambda p: dp if stage else 1)
+    need_nvme = int(ram_bytes_per_param(stage, dp, mixed, opt_bytes, "nvme") * n) + pool
     choice = resolve_auto_offload(need, need_nvme, left, off.nvme_path)
     logger.info("offload_optimizer.device auto -> %s (model states %d bytes, %d bytes left under %s)",
                 choice, need, left, limit.available_source)
@@ -347,44 +368,72 @@ def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, dp: int)
 
 
 def check_model_states_fit(cfg, params: list[torch.Tensor], world_of, stage: int, device_kind: str,
-                           offload: str, preallocated: int) -> None:
+                           offload: str, preallocated: int, accelerator=None) -> None:
     """Refuse, before allocating, model states that cannot fit the memory this process may still use.
 
-    Only hard limits are enforced (cgroup, RLIMIT_AS / RLIMIT_DATA, or more than the host has): an
-    allocation past them kills the process or fails half-way through set-up.  ``preallocated`` is what the
-    model's parameters already hold of these bytes.  Accelerator memory is not checked here.
+    On the CPU only hard limits are enforced (cgroup, RLIMIT_AS / RLIMIT_DATA, or more than the host has): an
+    allocation past them kills the process or fails half-way through set-up.  On an accelerator (``device_kind``
+    not ``cpu``; ``accelerator`` defaults to the registered one of that kind) the part that lives on the device
+    must fit its free memory (``available_memory()``), and the part offloaded to the host the host's limits.
+    ``preallocated`` is what the model's parameters already hold of these bytes (on the compute device).
     """
-    if device_kind != "cpu" or not params:
+    if not params:
         return
     from rayzero.accelerator.memory_limits import SOURCE_HOST, detect_memory_limit
-    from rayzero.offload.plan import ram_bytes_per_param
+    from rayzero.config import ConfigError
+    from rayzero.offload.plan import device_and_host_bytes_per_param
 
     mixed = cfg.compute_dtype != torch.float32
     opt_bytes = optimizer_state_bytes(cfg)
     param_off = cfg.zero_optimization.offload_param.device
+    on_accelerator = device_kind != "cpu"
+    mib = 1 << 20
+    count = sum(p.numel() for p in params)
 
-    def need(device: str) -> int:
-        total = sum(ram_bytes_per_param(stage, world_of(p), mixed, opt_bytes, device, offload_param=param_off)
-                    * p.numel() for p in params)
+    def split(device: str) -> tuple[int, int]:
+        """(bytes on the compute device, bytes in host memory); on the CPU both are host memory."""
+        dev = host = 0.0
+        for p in params:
+            d, h = device_and_host_bytes_per_param(stage, world_of(p), mixed, opt_bytes, device,
+                                                   offload_param=param_off)
+            dev, host = dev + d * p.numel(), host + h * p.numel()
         if device == "nvme":  # the swap pool's buffers come on top
-            total += pool_bytes(cfg, params, world_of)
-        return max(0, int(total) - preallocated)
+            host += pool_bytes(cfg, params, world_of)
+        if not on_accelerator:
+            return 0, max(0, int(dev + host) - preallocated)
+        return max(0, int(dev) - preallocated), int(host)
 
-    wanted = need(offload)
+    on_device, wanted = split(offload)
+    if on_accelerator:
+        if accelerator is None:
+            from rayzero.accelerator import get_accelerator
+
+            accelerator = get_accelerator(device_kind)
+        device_left = accelerator.available_memory()
+        if on_device > device_left:
+            fix = ("use a higher ZeRO stage or more ranks" if offload != "none" else
+                   f"offload the optimizer to the CPU (zero_optimization.offload_optimizer: {{\"device\": \"cpu\"}} "
+                   f"or \"auto\", which then needs about {split('cpu')[0] / mib:.0f} MiB on the device), use a higher "
+                   "ZeRO stage, or more ranks")
+            raise ConfigError(
+                f"this rank's model states need {on_device / mib:.0f} MiB more {device_kind} device memory "
+                f"({count:,} trainable parameters, ZeRO stage {stage}, optimizer offload '{offload}'), but only "
+                f"{device_left / mib:.0f} MiB are free on the device ({accelerator.name} available_memory()); {fix}"
+            )
+    if wanted == 0:
+        return
     limit = detect_memory_limit()
     hard = limit.available_source != SOURCE_HOST
     left = limit.available_bytes if hard else limit.total_bytes
     if wanted <= left:
         return
-    from rayzero.config import ConfigError
-
-    mib = 1 << 20
     fix = ("use a higher ZeRO stage or more ranks" if offload == "nvme" else
            f"offload the optimizer to NVMe (zero_optimization.offload_optimizer: {{\"device\": \"nvme\", "
-           f"\"nvme_path\": ...}}, which needs about {need('nvme') / mib:.0f} MiB here), use a higher ZeRO stage, "
+           f"\"nvme_path\": ...}}, which needs about {split('nvme')[1] / mib:.0f} MiB here), use a higher ZeRO stage, "
            "or more ranks")
+    where = "host memory (the optimizer offloaded there)" if on_accelerator else "memory"
     raise ConfigError(
-        f"this rank's model states need {wanted / mib:.0f} MiB more memory ({sum(p.numel() for p in params):,} "
+        f"this rank's model states need {wanted / mib:.0f} MiB more {where} ({count:,} "
         f"trainable parameters, ZeRO stage {stage}, optimizer offload '{offload}'), but only {left / mib:.0f} "
         f"MiB are left under {limit.available_source if hard else limit.source}; {fix}"
     )

@@ -120,6 +120,66 @@ def ram_bytes_per_param(
     return kept
 
 
+def device_and_host_bytes_per_param(
+    stage: int,
+    world: int,
+    mixed_precision: bool,
+    optimizer_bytes: int = 8,
+    offload_device: str = "none",
+    *,
+    offload_param: str = "none",
+) -> tuple[float, float]:
+    """On an accelerator: ``ram_bytes_per_param``'s model-state bytes split into ``(device memory, host
+    memory)``.  Without offload everything is on the device; offloaded (``cpu`` or ``nvme``), the device keeps
+    only the compute-dtype weights of stages 1-2 (stage 3 gathers its weights per unit from the host), and
+    the rest (the fp32 partitions, or with ``nvme`` the gradient partition and the weight copy) is host memory.
+    """
+    total = ram_bytes_per_param(stage, world, mixed_precision, optimizer_bytes, offload_device,
+                                offload_param=offload_param)
+    if offload_device in ("none", "auto"):
+        return total, 0.0
+    on_device = float(2 if mixed_precision else 4) if stage in (1, 2) else 0.0
+    return on_device, total - on_device
+
+
+def resolve_auto_offload_on_device(
+    need_on_device: int,
+    offloaded: tuple[int, int],
+    offloaded_nvme: tuple[int, int],
+    device_left: int,
+    host_left: int,
+    nvme_path: str | None,
+    *,
+    device_source: str = "the accelerator's free memory",
+    host_source: str = "host memory",
+) -> str:
+    """``offload_optimizer.device: "auto"`` on an accelerator: ``"none"`` when the model states fit the device's
+    free memory (``device_left``); else ``"cpu"`` when, offloaded, the device part (``offloaded[0]``) fits the
+    device and the host part (``offloaded[1]``) fits ``host_left``; else ``"nvme"`` likewise (with
+    ``nvme_path``).  Otherwise a ConfigError with the numbers and the fix."""
+    if need_on_device <= device_left:
+        return "none"
+    if offloaded[0] <= device_left and offloaded[1] <= host_left:
+        return "cpu"
+    nvme_fits = offloaded_nvme[0] <= device_left and offloaded_nvme[1] <= host_left
+    numbers = (f"the model states need {need_on_device / GIB:.2f} GiB on the device, which has {device_left / GIB:.2f} "
+               f"GiB free ({device_source}); offloaded to the CPU they need {offloaded[0] / GIB:.2f} GiB there and "
+               f"{offloaded[1] / GIB:.2f} GiB of host memory ({host_left / GIB:.2f} GiB left, {host_source}), to NVMe "
+               f"{offloaded_nvme[0] / GIB:.2f} GiB and {offloaded_nvme[1] / GIB:.2f} GiB")
+    if nvme_fits:
+        if nvme_path:
+            return "nvme"
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.device is 'auto' and {numbers}: only NVMe offload fits, but "
+            "'nvme_path' is not set; set zero_optimization.offload_optimizer.nvme_path to a directory on a local "
+            "disk, or use more workers or a higher ZeRO stage"
+        )
+    raise ConfigError(
+        f"zero_optimization.offload_optimizer.device is 'auto' but the plan cannot fit even with offload: {numbers}; "
+        "use more workers, a higher ZeRO stage (stage 3 partitions the weights too), or devices with more memory"
+    )
+
+
 def resolve_auto_offload(
     need_bytes_in_ram: int,
     need_bytes_with_nvme: int,

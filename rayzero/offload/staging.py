@@ -1,5 +1,5 @@
-"""Host-to-device staging for stage-3 gathers: host shards reach the compute device through one reusable
-(pinned) host buffer.
+"""Host-to-device staging for stage-3 gathers: host shards reach the compute device through a few reusable
+(pinned) host buffers, copied on a stream of their own.
 
 A stage-3 gather sends this rank's shard of each parameter in the compute dtype.  Where the shard already
 is what is sent, nothing is copied:
@@ -11,15 +11,21 @@ is what is sent, nothing is copied:
   straight from the partition (``non_blocking``).
 
 Any other host shard on an accelerator (an fp32 master while the model computes in bf16, a shard read
-from the swap files, an unpinned partition) is cast into :class:`HostStaging`'s one host buffer (grown when
-a larger shard comes, pinned through the accelerator), then copied to the device with ``non_blocking=True``.
-Several shards sent together are packed into that buffer side by side and go over in one copy.  After each
-copy the staging records a fence (an event on the device's current stream); the next use of the buffer
-first waits on it, so the buffer is never overwritten while a copy still reads it.
+from the swap files, an unpinned partition) is cast into one of :class:`HostStaging`'s host buffers (two by
+default, used in turn, each grown when a larger shard comes and pinned through the accelerator), then
+copied to the device with ``non_blocking=True``.  Several shards sent together are packed into one buffer
+side by side and go over in one copy.
 
-The host half of this (wait on the fence, cast into the buffer) is one function, :meth:`HostStaging.stage`,
-on every device; on the CPU its fence is :class:`HostFence`, whose wait has nothing to wait for (host copies
-are done when they return) but which keeps a log of its records and waits.
+Every copy runs on the staging's own copy stream, so it is queued behind other copies only, not behind the
+compute stream's kernels.  After a copy the staging records an event on the copy stream: the compute
+stream waits on it (a device-side wait: the host never blocks for the tensor to arrive), and the buffer's
+fence keeps it so that the host waits on it only before filling that buffer again, which with two buffers
+is a copy two gathers old and long finished.  The tensor on the device is allocated on the copy stream and
+marked as used by the compute stream (``Accelerator.record_stream``), so its memory is not handed to the
+copy stream again while compute kernels still read it.
+
+On the CPU the accelerator's streams and events are no-ops: the same code runs, and every wait returns at
+once.  :class:`BufferFence` keeps a log of its records and waits for tests.
 """
 
 from __future__ import annotations
@@ -29,64 +35,53 @@ from typing import Any, Sequence
 import torch
 
 
-class HostFence:
-    """The fence of host-side copies: they are finished when they return, so waiting is immediate.
+class BufferFence:
+    """The last copy out of one host buffer (or out of pinned partitions): ``record(stream)`` notes an event
+    recorded on ``stream`` after the copy, ``wait()`` blocks the host until that copy has finished, and only
+    if one was recorded since the last wait.
 
     With ``log`` (a list), every ``record()`` and ``wait()`` is appended to it as ``("record", n)`` or
-    ``("wait", n)``, ``n`` being the number of records so far: the order the staging used its buffer in.
+    ``("wait", n)``, ``n`` being the number of records so far; ``host_waits`` counts the waits that blocked.
     """
 
-    def __init__(self, log: list | None = None):
+    def __init__(self, accelerator: Any = None, log: list | None = None, name: str = ""):
+        self.accelerator = accelerator
         self.log = log
+        self.name = name
         self.records = 0
         self.waits = 0
+        self.host_waits = 0
+        self.events: list = []  # recorded and not waited for
 
     @property
     def pending(self) -> bool:
         """Whether a copy was recorded and not waited for since."""
         return self.records > self.waits
 
-    def record(self) -> None:
+    def record(self, event: Any = None) -> None:
+        if event is not None:
+            self.events.append(event)
         self.records += 1
         if self.log is not None:
-            self.log.append(("record", self.records))
+            self.log.append(("record", self.name, self.records) if self.name else ("record", self.records))
 
     def wait(self) -> None:
-        if self.pending:
+        # all on one stream, in order: the newest covers the others; one known finished needs no wait
+        if self.pending and self.events and not self.events[-1].query():
+            self.events[-1].synchronize()
+            self.host_waits += 1
             self.waits = self.records
-        if self.log is not None:
-            self.log.append(("wait", self.records))
-
-
-class DeviceFence(HostFence):
-    """Events on the device's current stream, one recorded after each copy out of host memory; ``wait()``
-    blocks the host until every copy recorded since the last wait has finished."""
-
-    def __init__(self, device: torch.device, accelerator: Any = None, log: list | None = None):
-        super().__init__(log)
-        self.device = device
-        self.accelerator = accelerator
-        self.events: list = []  # one per copy: the copies may have been queued on different streams
-
-    def record(self) -> None:
-        if self.accelerator is not None:
-            event = self.accelerator.Event()
-            event.record(self.accelerator.current_stream(self.device.index))
-        else:  # a device kind without a rayzero accelerator: torch's generic event
-            event = torch.Event(device=self.device)
-            event.record()
-        self.events = [e for e in self.events if not e.query()]  # finished: nothing left to wait for
-        self.events.append(event)
-        super().record()
-
-    def wait(self) -> None:
-        for event in self.events:
-            event.synchronize()
         self.events = []
-        super().wait()
+        if self.log is not None:
+            self.log.append(("wait", self.name, self.records) if self.name else ("wait", self.records))
+
+    def settled(self) -> None:
+        """A later event on the same stream was waited for: this fence's copies are finished too."""
+        self.waits = self.records
+        self.events = []
 
 
-def _accelerator_for(device: torch.device) -> Any:
+def accelerator_for(device: torch.device) -> Any:
     """rayzero's accelerator for ``device``'s kind, or None when no accelerator of that name is registered."""
     from rayzero.accelerator import get_accelerator
 
@@ -113,40 +108,52 @@ def _same_device(t: torch.Tensor, device: torch.device) -> bool:
 
 
 class HostStaging:
-    """Moves host shards to ``device`` in ``dtype`` through one reusable host buffer (module docstring).
+    """Moves host shards to ``device`` in ``dtype`` through ``buffers`` reusable host buffers, used in turn,
+    on a copy stream of its own (module docstring).
 
-    ``through_buffer`` (default: only when ``device`` is not the CPU) sends host shards through the buffer
-    even to a CPU device; ``fence`` replaces the fence the device kind gets (:class:`HostFence` on the CPU,
-    :class:`DeviceFence` elsewhere).  ``accelerator`` is rayzero's accelerator for ``device`` (looked up by
-    the device's kind when not given); it pins the buffer and makes the fence's events.
+    ``through_buffer`` (default: only when ``device`` is not the CPU) sends host shards through the buffers
+    even to a CPU device; ``fences`` replaces the buffers' fences (one per buffer; their number is then the
+    number of buffers).  ``accelerator`` is rayzero's accelerator for ``device`` (looked up by the device's
+    kind when not given); it pins the buffers and gives the streams and events.
     """
 
     def __init__(self, device: torch.device | str, dtype: torch.dtype, accelerator: Any = None, *,
-                 through_buffer: bool | None = None, fence: HostFence | None = None):
+                 through_buffer: bool | None = None, buffers: int = 2, fences: Sequence[BufferFence] | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
         on_host = self.device.type == "cpu"
-        if accelerator is None and not on_host:
-            accelerator = _accelerator_for(self.device)
+        if accelerator is None:
+            accelerator = accelerator_for(self.device)
         self.accelerator = accelerator
         self.through_buffer = (not on_host) if through_buffer is None else through_buffer
-        # pinning only speeds up copies to an accelerator
-        self.pin = not on_host
-        self.fence = fence if fence is not None else (HostFence() if on_host else DeviceFence(self.device, accelerator))
-        self.buffer = torch.empty(0, dtype=dtype)  # the one host buffer, grown on demand
-        self.grown = 0  # times the buffer was (re)allocated
-        self.sends = 0  # copies to the device (through the buffer or straight from a pinned partition)
+        # pinning only speeds up copies to an accelerator (a CPU staging asked to pin gets it too: tests)
+        self.pin = not on_host or (accelerator is not None and self.through_buffer)
+        if fences is None:
+            fences = [BufferFence(accelerator) for _ in range(max(1, buffers))]
+        self.fences = list(fences)
+        self.buffers = [torch.empty(0, dtype=dtype) for _ in self.fences]  # grown on demand
+        self.turn = 0  # the buffer the next stage fills
+        self.direct = BufferFence(accelerator)  # copies straight out of pinned partitions
+        self.copy_stream = accelerator.stream(self.device.index) if accelerator is not None else None
+        self._newest: BufferFence | None = None  # the fence of the last copy
+        self.grown = 0  # times a buffer was (re)allocated
+        self.sends = 0  # copies to the device (through a buffer or straight from a pinned partition)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The buffer filled last."""
+        return self.buffers[(self.turn - 1) % len(self.buffers)]
 
     # ---- the host side, the same on every device ------------------------------------------------------------
-    def _reserve(self, numel: int) -> torch.Tensor:
-        if self.buffer.numel() < numel:
-            # the fence was waited on: no copy reads the old buffer any more
+    def _reserve(self, index: int, numel: int) -> torch.Tensor:
+        if self.buffers[index].numel() < numel:
+            # its fence was waited on: no copy reads the old buffer any more
             buf = torch.empty(numel, dtype=self.dtype)
             if self.pin:
                 buf = self._pinned(buf)
-            self.buffer = buf
+            self.buffers[index] = buf
             self.grown += 1
-        return self.buffer[:numel]
+        return self.buffers[index][:numel]
 
     def _pinned(self, buf: torch.Tensor) -> torch.Tensor:
         if self.accelerator is not None:
@@ -157,39 +164,79 @@ class HostStaging:
             self.pin = False  # copies from pageable memory then: correct, only slower
             return buf
 
-    def stage(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Wait until no copy reads the buffer, then cast ``shards`` into it side by side; returns the filled
-        part of the buffer (1-D, ``dtype``, on the host), valid until the next ``stage``."""
-        self.fence.wait()
-        return _pack_into(self._reserve(sum(s.numel() for s in shards)), shards)
+    def _is_pinned(self, t: torch.Tensor) -> bool:
+        if self.accelerator is not None:
+            return self.accelerator.is_pinned(t)
+        return t.is_pinned()
 
-    def _send(self, host: torch.Tensor) -> torch.Tensor:
-        """Copy ``host`` (the buffer, or a pinned partition) to the device, and fence the copy."""
-        out = torch.empty(host.shape, dtype=self.dtype, device=self.device)
-        out.copy_(host, non_blocking=host.is_pinned())
-        self.fence.record()
+    def stage(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Take the next buffer in turn, wait until no copy reads it (a copy ``len(buffers)`` stages old), then
+        cast ``shards`` into it side by side; returns the filled part of the buffer (1-D, ``dtype``, on the
+        host), valid until the buffer's turn comes again."""
+        index = self.turn
+        self.turn = (self.turn + 1) % len(self.buffers)
+        self.fences[index].wait()
+        self._filled = index
+        return _pack_into(self._reserve(index, sum(s.numel() for s in shards)), shards)
+
+    def _send(self, host: torch.Tensor, fence: BufferFence) -> torch.Tensor:
+        """Copy ``host`` (a buffer, or a pinned partition) to the device on the copy stream; the compute stream
+        waits on the copy's event, ``fence`` keeps it for the host."""
+        acc = self.accelerator
+        pinned = self._is_pinned(host)
+        if acc is None:  # a device kind without streams rayzero knows: torch's generic event on its stream
+            out = torch.empty(host.shape, dtype=self.dtype, device=self.device)
+            out.copy_(host, non_blocking=pinned)
+            event = torch.Event(device=self.device)
+            event.record()
+            fence.record(event)
+            self._newest = fence
+            self.sends += 1
+            return out
+        compute = acc.current_stream(self.device.index)
+        with acc.stream_context(self.copy_stream):
+            # allocated on the copy stream, which writes it; the compute stream reads it after the event
+            out = torch.empty(host.shape, dtype=self.dtype, device=self.device)
+            out.copy_(host, non_blocking=pinned)
+            event = acc.Event()
+            event.record(self.copy_stream)
+        compute.wait_event(event)
+        acc.record_stream(out, compute)
+        fence.record(event)
+        self._newest = fence
         self.sends += 1
         return out
 
     # ---- what gathers call ----------------------------------------------------------------------------------
     def to_device(self, src: torch.Tensor) -> torch.Tensor:
-        """``src`` on the device in ``dtype``: ``src`` itself, a cast of it, or a copy through the buffer."""
+        """``src`` on the device in ``dtype``: ``src`` itself, a cast of it, or a copy through a buffer."""
         if _same_device(src, self.device) and not (self.through_buffer and src.device.type == "cpu"):
             return src.to(self.dtype)  # on its device already (or the CPU computes): the shard itself
         if src.device.type != "cpu":  # another device: nothing to stage on the host
             return src.to(device=self.device, dtype=self.dtype)
-        if src.dtype == self.dtype and src.is_contiguous() and src.is_pinned():
-            return self._send(src)  # the partition itself is the copy's source
-        return self._send(self.stage([src])).view(src.shape)
+        if src.dtype == self.dtype and src.is_contiguous() and self._is_pinned(src):
+            return self._send(src, self.direct)  # the partition itself is the copy's source
+        host = self.stage([src])
+        return self._send(host, self.fences[self._filled]).view(src.shape)
 
     def pack(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The concatenation of the flattened ``shards`` on the device in ``dtype``: host shards packed in
-        the buffer and copied over at once, shards already on the device copied into place there."""
+        """The concatenation of the flattened ``shards`` on the device in ``dtype``: host shards packed in a
+        buffer and copied over at once, shards already on the device copied into place there."""
         host = [s.device.type == "cpu" for s in shards]
         if shards and all(host) and (self.through_buffer or self.device.type != "cpu"):
-            return self._send(self.stage(shards))
+            staged = self.stage(shards)
+            return self._send(staged, self.fences[self._filled])
         return _pack_into(torch.empty(sum(s.numel() for s in shards), dtype=self.dtype, device=self.device), shards)
 
     def synchronize(self) -> None:
-        """Wait until no copy to the device reads host memory (the buffer or a partition) any more."""
-        self.fence.wait()
+        """Wait until no copy to the device reads host memory (a buffer or a partition) any more: one host
+        wait, on the newest copy's fence (the copy stream runs its copies in order), when any is pending."""
+        fences = self.fences + [self.direct]
+        if self._newest is not None and self._newest.pending:
+            self._newest.wait()
+        for fence in fences:
+            fence.settled()
+
+    @property
+    def host_waits(self) -> int:
+        return sum(f.host_waits for f in self.fences) + self.direct.host_waits

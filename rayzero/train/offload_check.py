@@ -65,13 +65,36 @@ def resolve_auto(counted: torch.nn.Module | None, cfg: Config, cluster: ClusterC
                 "the driver")
     world = cluster.min_workers
     need, n = model_state_bytes(counted, cfg, world, offload="none")
-    need_nvme, _ = model_state_bytes(counted, cfg, world, offload="nvme")
     limit, source = worker_limit(nodes, world)
+    if any(r.get("accelerator", "cpu") != "cpu" for r in nodes):
+        return _resolve_auto_on_devices(counted, cfg, world, nodes, need, n, limit, source)
+    need_nvme, _ = model_state_bytes(counted, cfg, world, offload="nvme")
     off.device = resolve_auto_offload(need, need_nvme, limit, off.nvme_path, limit_source=source)
     why = "fit" if off.device == "none" else "do not fit; with the optimizer on NVMe they need"
     extra = "" if off.device == "none" else f" {need_nvme / GIB:.2f} GiB"
     return (f"offload_optimizer.device auto -> {off.device}: {n:,} parameters on {world} worker(s) need "
             f"{need / GIB:.2f} GiB of model state per worker, which {why}{extra} (limit {limit / GIB:.2f} GiB, {source})")
+
+
+def _resolve_auto_on_devices(counted, cfg: Config, world: int, nodes: list[dict], need: int, n: int, limit: int,
+                             source: str) -> str:
+    """``auto`` on accelerator nodes: the nodes report device memory (``limit``); the model states must fit it,
+    else the optimizer goes to the CPU where its part fits the hosts' memory per worker, else to NVMe."""
+    from rayzero.offload.plan import resolve_auto_offload_on_device
+    from rayzero.train.state_memory import host_memory_per_worker, model_state_bytes
+
+    def split(device: str) -> tuple[int, int]:
+        return (model_state_bytes(counted, cfg, world, offload=device, where="device")[0],
+                model_state_bytes(counted, cfg, world, offload=device, where="host")[0])
+
+    off = cfg.zero_optimization.offload_optimizer
+    host_left = host_memory_per_worker(nodes)
+    off.device = resolve_auto_offload_on_device(need, split("cpu"), split("nvme"), limit, host_left, off.nvme_path,
+                                                device_source=source, host_source="the hosts' memory per worker")
+    why = "fit the device" if off.device == "none" else "do not fit the device"
+    return (f"offload_optimizer.device auto -> {off.device}: {n:,} parameters on {world} worker(s) need "
+            f"{need / GIB:.2f} GiB of model state per worker, which {why} (limit {limit / GIB:.2f} GiB, {source}; "
+            f"host {host_left / GIB:.2f} GiB per worker)")
 
 
 def swap_bytes(model: torch.nn.Module, cfg: Config, world: int) -> int:

@@ -75,7 +75,8 @@ def _expert_params(model: torch.nn.Module) -> set:
     return out
 
 
-def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int, offload: str | None = None) -> tuple[int, int]:
+def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int, offload: str | None = None,
+                      where: str = "all") -> tuple[int, int]:
     """``(bytes, parameters)``: the model-state bytes of one of ``world`` workers and the model's parameter
     count.  With tensor parallelism every parameter counts 1/tp (AutoTP leaves embeddings and norms whole,
     so this can only under-count), partitioned over the ``world // tp`` data shards; with expert
@@ -83,8 +84,17 @@ def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int, offload: 
 
     With the optimizer offloaded (``offload``, default the config's ``offload_optimizer.device``; ``auto``
     counts as ``none``) the bytes are those ``rayzero.offload.plan.ram_bytes_per_param`` keeps in memory:
-    ``nvme`` moves the fp32 master and optimizer state to disk."""
-    from rayzero.offload.plan import ram_bytes_per_param
+    ``nvme`` moves the fp32 master and optimizer state to disk.
+
+    ``where`` ("device" or "host") counts only the part that lives there on an accelerator
+    (``rayzero.offload.plan.device_and_host_bytes_per_param``): without offload all of it is on the device.
+    """
+    from rayzero.offload.plan import device_and_host_bytes_per_param, ram_bytes_per_param
+
+    if where not in ("all", "device", "host"):
+        raise ValueError(f"where must be 'all', 'device' or 'host', got {where!r}")
+    on_device = where != "host"
+    on_host = where != "device"
 
     z = cfg.zero_optimization
     offload = offload or z.offload_optimizer.device
@@ -106,19 +116,23 @@ def model_state_bytes(model: torch.nn.Module, cfg: Config, world: int, offload: 
         expert = p in experts
         held = p.numel() / (tp * ep if expert else tp)  # the elements this rank holds
         if not p.requires_grad:  # frozen: whole on every rank, in the compute dtype
-            need += weights * held
+            need += weights * held if on_device else 0
             continue
         ranks = edp if expert else dp
         chunk = math.ceil(held / (ranks if stage else 1))
         partition, largest = partition + chunk, max(largest, chunk)
-        if offload == "none" and z.offload_param.device == "none":
+        if where != "all":
+            d, h = device_and_host_bytes_per_param(stage, ranks, mixed, optimizer_bytes, offload,
+                                                   offload_param=z.offload_param.device)
+            need += ((d if on_device else 0) + (h if on_host else 0)) * held
+        elif offload == "none" and z.offload_param.device == "none":
             need += model_state_bytes_per_param(stage, ranks, mixed, optimizer_bytes) * held
         else:
             need += ram_bytes_per_param(stage, ranks, mixed, optimizer_bytes, offload,
                                         offload_param=z.offload_param.device) * held
-        if stage == 3 and p.numel() <= threshold:  # persistent: whole on every rank between steps too
+        if stage == 3 and p.numel() <= threshold and on_device:  # persistent: whole between steps too
             need += weights * held
-    if offload == "nvme":  # the swap pool's buffers (offload/plan.py swap_pool_bytes)
+    if offload == "nvme" and on_host:  # the swap pool's buffers (offload/plan.py swap_pool_bytes)
         from rayzero.offload.optimizer import sub_group_size
         from rayzero.offload.plan import swap_pool_bytes
 
@@ -152,7 +166,12 @@ def _check_fits(model: Any, cfg: Config, cluster: ClusterConfig, nodes: list[dic
     if counted is None:
         return
     world = cluster.min_workers
-    need, n = model_state_bytes(counted, cfg, world)
+    on_accelerators = any(r.get("accelerator", "cpu") != "cpu" for r in nodes)
+    # on accelerator nodes memory_total is the device's: the part of the states that lives there is checked
+    # against it, the part offloaded to the host against the host's memory per worker
+    need, n = model_state_bytes(counted, cfg, world, where="device" if on_accelerators else "all")
+    if on_accelerators:
+        _check_host_part(counted, cfg, world, nodes)
     # memory_total is per device: a node hosts as many workers as it has devices (one on a CPU node)
     biggest = max(r["memory_total"] for r in nodes)
     total = sum(r["memory_total"] * max(1, r.get("devices") or 1) for r in nodes)
@@ -172,6 +191,30 @@ def _check_fits(model: Any, cfg: Config, cluster: ClusterConfig, nodes: list[dic
             f"GiB for all {world}, and the nodes' usable memory is "
             f"{[round(r['memory_total'] / gib, 1) for r in nodes]} GiB (per device on a node with several); use a "
             "higher ZeRO stage, more workers, or bigger nodes"
-            + ("" if offload == "nvme" else ", or offload the optimizer to NVMe (zero_optimization.offload_optimizer "
-               "device 'nvme' or 'auto', with nvme_path)")
+            + ("" if offload == "nvme" else
+               ", or offload the optimizer to the CPU (zero_optimization.offload_optimizer device 'cpu' or 'auto')"
+               if on_accelerators and offload == "none" else
+               ", or offload the optimizer to NVMe (zero_optimization.offload_optimizer device 'nvme' or 'auto', "
+               "with nvme_path)")
+        )
+
+
+def host_memory_per_worker(nodes: list[dict]) -> int:
+    """The host memory one worker may use on the tightest node: its host memory shared by its devices."""
+    return min(r.get("host_memory_total", r["memory_total"]) // max(1, r.get("devices") or 1) for r in nodes)
+
+
+def _check_host_part(counted: torch.nn.Module, cfg: Config, world: int, nodes: list[dict]) -> None:
+    """On accelerator nodes: the optimizer state offloaded to the host must fit the host's memory per worker."""
+    host, n = model_state_bytes(counted, cfg, world, where="host")
+    left = host_memory_per_worker(nodes)
+    if host > left:
+        gib = 1 << 30
+        offload = cfg.zero_optimization.offload_optimizer.device
+        raise ConfigError(
+            f"the plan cannot fit: with the optimizer offloaded to {offload}, {n:,} parameters on {world} worker(s) "
+            f"need {host / gib:.1f} GiB of host memory per worker ({host:,} bytes), and the tightest node leaves "
+            f"{left / gib:.1f} GiB per worker (its host memory shared by its devices); use a higher ZeRO stage, "
+            "more workers, nodes with more memory"
+            + ("" if offload == "nvme" else ", or offload the optimizer to NVMe (device 'nvme' with nvme_path)")
         )

@@ -137,7 +137,14 @@ class Partitions:
 
     def _zeros(self, numel: int, pin_memory: bool) -> torch.Tensor:
         t = torch.zeros(numel, dtype=torch.float32, device=self.state_device)
-        return t.pin_memory() if pin_memory and self.state_device.type == "cpu" else t
+        if not (pin_memory and self.state_device.type == "cpu"):
+            return t
+        # pinned by the compute device's accelerator: a device kind torch cannot pin for (a PrivateUse1
+        # backend without a pinned allocator) may still have its own way, or none (then pageable memory)
+        from rayzero.offload.staging import accelerator_for
+
+        acc = accelerator_for(self.device)
+        return acc.pin_memory(t) if acc is not None else t.pin_memory()
 
     def all_params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.groups for p in g.params]

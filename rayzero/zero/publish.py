@@ -21,6 +21,12 @@ shared (a communicator across hosts) are left out of publishing (``only_if_share
 gathered).  ``publish()`` leaves its last gathers (at most ``MAX_INFLIGHT``) running; the engine runs the next
 forward under ``WaitForWeights``, which completes a gather before any operation reads one of its
 parameters, and ``finish()`` completes the rest before anything else touches the weights or the masters.
+
+**Optimizer offload** (masters in host memory, weights on an accelerator).  ``publish()`` first casts every
+host shard it sends into one pinned host buffer (offload/staging.py), copies that to the device at once on
+the staging's copy stream (``non_blocking``) and makes the compute stream wait on the copy's event; the
+buckets then read their shards from that device tensor.  The host waits only before it refills the buffer,
+a publish two steps old, instead of one blocking copy from pageable memory per parameter.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class WeightPublisher:
         # send and receive buffers of the packed buckets, kept from one step to the next (a fresh one costs
         # a page fault per 4 KiB page on every step); at most MAX_INFLIGHT + 1 of each are in use at once
         self._free_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._staging = None  # optimizer offload: host shards reach the device through it (made on first use)
         # parameters whose storage every rank of their communicator shares: (world, chunk) rows of it
         self._shared_rows: dict[torch.nn.Parameter, torch.Tensor] = {}
         self._shared_comms: list[Communicator] = []
@@ -200,9 +207,38 @@ class WeightPublisher:
         return (torch.empty(send, dtype=self.compute_dtype, device=device),
                 torch.empty(recv, dtype=self.compute_dtype, device=device))
 
+    def _staged_shards(self) -> dict[int, torch.Tensor]:
+        """Optimizer offload: every host shard this publish sends to the device, packed and copied over at
+        once (module docstring); ``id(entry)`` -> its shard on the device, in the compute dtype."""
+        host = []
+        for g, members in self.buckets:
+            if members[0][1] in self._shared_rows:  # written on the host: nothing goes to the device
+                continue
+            for e, p in members:
+                if p.device.type != "cpu" and self.partitions.weight_shard(e).device.type == "cpu":
+                    host.append(e)
+        if not host:
+            return {}
+        if self._staging is None:
+            from rayzero.offload.staging import HostStaging
+
+            self._staging = HostStaging(self.partitions.device, self.compute_dtype)
+        shards = [self.partitions.weight_shard(e) for e in host]
+        packed = self._staging.pack(shards)
+        staged, at = {}, 0
+        for e, shard in zip(host, shards):
+            staged[id(e)] = packed[at : at + shard.numel()]
+            at += shard.numel()
+        return staged
+
     @torch.no_grad()
     def publish(self) -> None:
         self.finish()
+        staged = self._staged_shards()
+
+        def shard_of(e: ParamEntry) -> torch.Tensor:
+            return staged.get(id(e), self.partitions.weight_shard(e)) if staged else self.partitions.weight_shard(e)
+
         for comm in self._shared_comms:  # nobody still reads the weights about to be overwritten
             comm.barrier()
         inflight: list[_Gather] = []
@@ -210,7 +246,7 @@ class WeightPublisher:
             world = g.world
             if world == 1:
                 for e, p in members:
-                    p.data.view(-1).copy_(self.partitions.weight_shard(e)[: e.numel])
+                    p.data.view(-1).copy_(shard_of(e)[: e.numel])
                 continue
             if members[0][1] in self._shared_rows:  # the ranks' one copy: write my shards into it
                 for e, p in members:
@@ -219,7 +255,7 @@ class WeightPublisher:
                 continue
             if self._direct(g, members):
                 e, p = members[0]
-                shard = self.partitions.weight_shard(e)
+                shard = shard_of(e)
                 if shard.dtype != self.compute_dtype or shard.device != p.device or not shard.is_contiguous():
                     shard = shard.to(device=p.device, dtype=self.compute_dtype)
                 inflight.append(_Gather(members, None, None, g.comm.all_gather(p.data.view(world, e.chunk), shard)))
@@ -229,7 +265,7 @@ class WeightPublisher:
                 mine, rows = buffers[0][:cols], buffers[1][: world * cols].view(world, cols)
                 col = 0
                 for e, _ in members:
-                    mine[col : col + e.chunk].copy_(self.partitions.weight_shard(e))
+                    mine[col : col + e.chunk].copy_(shard_of(e))
                     col += e.chunk
                 inflight.append(_Gather(members, rows, buffers, g.comm.all_gather(rows, mine)))
             # at most MAX_INFLIGHT gathers at once (each holds its buckets' buffers, or gloo's own); with

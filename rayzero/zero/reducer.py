@@ -25,6 +25,14 @@ where they lie, without copying them through the transport first.  A buffer is n
 first gradient of a parameter in an accumulation window is copied over whatever the buffer held (and its
 padding zeroed), later ones are added, and a parameter that got no gradient is zeroed at launch.
 
+Under optimizer offload the gradient partitions live in host memory while the buckets reduce on the device.
+Each reduced bucket is copied into a pinned host buffer of its own on a side stream (after an event on the
+compute stream, ``non_blocking``), and the host adds it into the partition later, at :meth:`drain`: before
+the step reads the partitions (``zero_stale``), or when the next backward reduces the same bucket again and
+its copy is still unfinished.  The host waits once there (the side stream's copies finish in order), not per
+bucket, and backward never blocks on a copy.  The device buffer a copy reads goes back to the pool with the
+copy's event: the reduction that reuses it first makes the compute stream wait on that event.
+
 The gradient partitions are not zeroed after a step either (stages 1-3): :meth:`GradientReducer.forget`
 marks every bucket's slice stale, the window's first reduction writes its sum straight into the slice
 (the transport's output is the partition itself), and :meth:`GradientReducer.zero_stale` zeroes whatever
@@ -39,6 +47,7 @@ from typing import Callable
 import torch
 
 from rayzero.comm import Handle
+from rayzero.offload.staging import accelerator_for
 from rayzero.zero.layout import ParamEntry, copy_into_rows, zero_padding
 from rayzero.zero.partition import GroupPartition, Partitions
 
@@ -58,6 +67,7 @@ class Bucket:
     # content is left over: the first reduction overwrites it instead of adding to zeros)
     partition_stale: bool = False
     out_is_partition: bool = False
+    host_out: torch.Tensor | None = None  # offload: the pinned host buffer its reduced slice is copied into
     launched: bool = False
     handle: Handle | None = None
     out: torch.Tensor | None = None
@@ -150,6 +160,13 @@ class GradientReducer:
         self.pending = False  # some gradients are in buckets but not yet in the partition
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.bucket_of]
+        # optimizer offload: gradient partitions on the host, reductions on the device (module docstring)
+        self._offloaded = any(g.grad.device.type != partitions.device.type for g in partitions.groups)
+        self._accelerator = accelerator_for(partitions.device) if self._offloaded else None
+        self._d2h_stream = self._accelerator.stream() if self._accelerator is not None else None
+        self._to_host: list[tuple] = []  # (bucket, its partition slice, overwrite?, copy event), in copy order
+        self._reuse_after: dict[int, object] = {}  # id(pooled buffer) -> event of the copy still reading it
+        self.host_waits = 0  # host waits on the device-to-host copies (tests)
 
     def _expose_regions(self) -> dict:
         """One exposed region per communicator whose ranks share a host (a collective, in bucket order):
@@ -245,16 +262,25 @@ class GradientReducer:
         free = self._pool.get((kind, dtype), [])
         for i, buf in enumerate(free):
             if buf.numel() >= numel:
-                return free.pop(i)[:numel]
+                buf = free.pop(i)
+                copy_done = self._reuse_after.pop(id(buf), None)
+                if copy_done is not None:  # a copy to the host still reads it: the device waits, not the host
+                    self._accelerator.current_stream().wait_event(copy_done)
+                return buf[:numel]
         return torch.empty(numel, dtype=dtype, device=self.partitions.device)
 
-    def _give(self, kind: str, t: torch.Tensor) -> None:
-        """Return a buffer from :meth:`_take` to the pool, keeping at most ``MAX_INFLIGHT + 1`` per kind."""
+    def _give(self, kind: str, t: torch.Tensor, read_until=None) -> None:
+        """Return a buffer from :meth:`_take` to the pool, keeping at most ``MAX_INFLIGHT + 1`` per kind;
+        ``read_until``: the event of a copy on another stream that still reads it."""
         base = t._base if t._base is not None else t
         free = self._pool.setdefault((kind, t.dtype), [])
         free.append(base)
+        if read_until is not None:
+            self._reuse_after[id(base)] = read_until
         if len(free) > self.MAX_INFLIGHT + 1:  # keep the largest ones
             free.sort(key=lambda x: x.numel(), reverse=True)
+            for dropped in free[self.MAX_INFLIGHT + 1 :]:
+                self._reuse_after.pop(id(dropped), None)
             del free[self.MAX_INFLIGHT + 1 :]
 
     def _launch_ready(self) -> None:
@@ -299,18 +325,57 @@ class GradientReducer:
                 b.rows[0].copy_(b.send[0])
         elif not b.out_is_partition:
             grad = b.group.grad[b.part_slice]
-            out = b.out if b.out.device == grad.device else b.out.to(grad.device)  # offload: host accumulator
-            if b.partition_stale:
-                grad.copy_(out)
+            if b.out.device.type != grad.device.type:  # offload: the host accumulator, added at drain()
+                self._copy_to_host(b, grad)
             else:
-                grad.add_(out)
-            self._give("out", b.out)
+                if b.partition_stale:
+                    grad.copy_(b.out)
+                else:
+                    grad.add_(b.out)
+                self._give("out", b.out)
         b.partition_stale = b.out_is_partition = False
         b.handle = b.out = b.send = b.own = None
         if self.stage == 1:
             b.written.clear()  # the next window overwrites the rows instead of zeroing them now
         elif self.stage >= 2:
             self._drop_rows(b)  # the full-size gradient dies with its bucket
+
+    def _copy_to_host(self, b: Bucket, grad: torch.Tensor) -> None:
+        """Queue the copy of ``b``'s reduced slice into its pinned host buffer on the side stream."""
+        acc = self._accelerator
+        if any(pending[0] is b for pending in self._to_host):
+            self.drain(only_if_unfinished=True)  # its host buffer is about to be rewritten
+        if b.host_out is None or b.host_out.numel() < b.out.numel() or b.host_out.dtype != b.out.dtype:
+            b.host_out = acc.pin_memory(torch.empty(b.out.numel(), dtype=b.out.dtype))
+        host = b.host_out[: b.out.numel()]
+        reduced = acc.Event()
+        reduced.record(acc.current_stream())  # the reduction's result is complete on the compute stream
+        with acc.stream_context(self._d2h_stream):
+            self._d2h_stream.wait_event(reduced)
+            host.copy_(b.out, non_blocking=acc.is_pinned(host))
+            copied = acc.Event()
+            copied.record(self._d2h_stream)
+        self._to_host.append((b, grad, b.partition_stale, copied))
+        self._give("out", b.out, read_until=copied)
+
+    @torch.no_grad()
+    def drain(self, only_if_unfinished: bool = False) -> None:
+        """Add the reduced slices copied to the host into the (host) gradient partitions: one host wait, on
+        the newest copy (the side stream runs them in order).  ``only_if_unfinished``: skip the wait when the
+        copies are done already (a later backward reusing a bucket's buffer)."""
+        if not self._to_host:
+            return
+        newest = self._to_host[-1][3]
+        if not (only_if_unfinished and newest.query()):
+            newest.synchronize()
+            self.host_waits += 1
+        for b, grad, overwrite, _ in self._to_host:
+            host = b.host_out[: grad.numel()]
+            if overwrite:
+                grad.copy_(host)
+            else:
+                grad.add_(host)
+        self._to_host = []
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -330,6 +395,7 @@ class GradientReducer:
     def forget(self) -> None:
         """After a step (stages 1-3): the gradient partitions' content is spent; the next window's first
         reduction of each bucket overwrites it (instead of zeroing every partition now)."""
+        self.drain()
         if self.stage >= 1:
             for b in self.buckets:
                 b.partition_stale = True
@@ -338,6 +404,7 @@ class GradientReducer:
     def zero_stale(self) -> None:
         """Before the partitions are read (the step, the norm): zero the slices no reduction of this window
         reached (every slice, when the window had no reducing backward)."""
+        self.drain()
         for b in self.buckets:
             if b.partition_stale:
                 b.group.grad[b.part_slice].zero_()
@@ -345,6 +412,7 @@ class GradientReducer:
 
     def zero_local(self) -> None:
         """Drop gradients accumulated locally but not yet reduced (stages 0 and 1)."""
+        self.drain()  # reduced ones are in the partitions already
         for b in self.buckets:
             if self.stage == 0:
                 b.rows.zero_()
@@ -362,4 +430,6 @@ class GradientReducer:
         for b in self.buckets:
             b.rows = b.out = b.send = b.handle = None
         self._pool.clear()
+        self._reuse_after.clear()
+        self._to_host = []
         self._regions = {}

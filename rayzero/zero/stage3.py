@@ -250,11 +250,14 @@ class ParamGatherer:
         by_comm: dict[int, tuple] = {}
         for p in members:
             g = self.partitions.group_of(self.partitions.entry_of[p])
-            by_comm.setdefault(id(g.comm), (g, []))[1].append(p)
+            # on a device backend a second group of the same ranks, so gathers do not queue behind the
+            # reduce-scatters (parallel/state.py)
+            comm = g.domain.param_gather_comm
+            by_comm.setdefault(id(comm), (comm, g, []))[2].append(p)
         # parameter offload to NVMe: start reading every shard of the unit at once
         self.partitions.prefetch_weights([self.partitions.entry_of[p] for p in members])
         launched = []
-        for g, params in by_comm.values():
+        for comm, g, params in by_comm.values():
             # large parameters of this unit alone go straight into their own storage (no receive buffer,
             # no copy); the small ones, and any shared with another unit, are packed into one gather
             direct = [p for p in params if p not in self._shared
@@ -263,7 +266,7 @@ class ParamGatherer:
                 # (the shard itself when it is already in the compute dtype and device: no copy)
                 mine = self.staging.to_device(self.partitions.weight_shard(self.partitions.entry_of[p]))
                 rows = self._whole(p)
-                launched.append((g.comm.all_gather(rows, mine), rows, [p], None))
+                launched.append((comm.all_gather(rows, mine), rows, [p], None))
             direct_ids = {id(p) for p in direct}
             params = [p for p in params if id(p) not in direct_ids]
             if not params:
@@ -275,11 +278,13 @@ class ParamGatherer:
             shards = [self.partitions.weight_shard(self.partitions.entry_of[p]) for p in params]
             # shards side by side in the partition already (a unit's parameters usually are) are sent from
             # there; others are packed (host shards: in the staging buffer, then one copy to the device)
-            mine = _adjacent_span(shards, self.compute_dtype, self.partitions.device)
+            # (host shards meant for the device go through the staging even where they lie side by side)
+            through_staging = self.staging.through_buffer and shards[0].device.type == "cpu"
+            mine = None if through_staging else _adjacent_span(shards, self.compute_dtype, self.partitions.device)
             if mine is None:
                 mine = self.staging.pack(shards)
             rows = torch.empty((g.world, cols), dtype=self.compute_dtype, device=self.partitions.device)
-            launched.append((g.comm.all_gather(rows, mine), rows, params, col_of))
+            launched.append((comm.all_gather(rows, mine), rows, params, col_of))
         self.inflight[id(unit)] = launched
         return True
 
