@@ -166,18 +166,21 @@ def sgd_under_capture(rank: int, world: int, params: dict, accelerator: str) -> 
 
     register_accelerator(accelerator, StandIn, replace=True)
     os.environ["RAYZERO_ACCELERATOR"] = accelerator
-    cfg = base_config(1, world, 8, scheduler=SCHEDULER, optimizer={"type": "SGD", "params": {"lr": 0.1, **params}},
+    cfg = base_config(1, world, 8, scheduler=SCHEDULER,
+                      optimizer={"type": "SGD", "params": {"lr": 0.1, **params}},
                       graph_capture={"enabled": True, "warmup_steps": 100})
     try:
         engine = rayzero.initialize(make_model(), cfg)
     except Exception as e:  # noqa: BLE001 - the test checks the type and the message
         return {"error": f"{type(e).__name__}: {e}"}
     group = engine.optimizer.param_groups[0]
-    out = {"error": None, "fused": group["fused"], "foreach": group["foreach"], "tensor_lr": torch.is_tensor(group["lr"])}
+    out = {"error": None, "fused": group["fused"], "foreach": group["foreach"],
+           "tensor_lr": torch.is_tensor(group["lr"])}
     for i, (x, y) in enumerate(batches(2, 8)):
         counter = SyncCounter("all")
         with counter if i == 1 else _no_count():
-            engine.backward(torch.nn.functional.mse_loss(engine(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]))
+            rows = slice(rank * 4, (rank + 1) * 4)
+            engine.backward(torch.nn.functional.mse_loss(engine(x[rows]), y[rows]))
             engine.step()
     with SyncCounter("all") as lr_reads:
         lrs = engine.get_lr()

@@ -60,8 +60,8 @@ def config(stage: int, gas: int, dtype: str = "fp32", offload: str = "none", par
             "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": BUCKET,
         },
     }
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
+    if dtype in ("bf16", "fp16"):
+        cfg[dtype] = {"enabled": True}
     if offload != "none":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": offload}
     if param_offload != "none":

@@ -147,6 +147,6 @@ def test_sgd_under_cuda_capture_runs_fused_and_reads_nothing_back():
         key = next(iter(bad))
         assert refused["error"].startswith("ConfigError") and f"optimizer.params.{key}" in refused["error"]
         assert "fused SGD" in refused["error"] and "graph_capture" in refused["error"]
-    (adam,) = run_distributed(capture_cases.refused, 1, {"optimizer": {"type": "AdamW", "params": {"capturable": False}}},
-                              "cuda")
+    adam_cfg = {"optimizer": {"type": "AdamW", "params": {"capturable": False}}}
+    (adam,) = run_distributed(capture_cases.refused, 1, adam_cfg, "cuda")
     assert adam.startswith("ConfigError") and "capturable" in adam

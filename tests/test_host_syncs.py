@@ -56,7 +56,12 @@ def _dense_cases(stages, dtypes, **extra) -> tuple[list[str], list[dict]]:
 
 
 def test_stages_0_to_2_on_the_device_read_only_the_norm():
+    """fp32 and bf16 at every stage; fp16 (dynamic loss scaling) and SGD at one stage each."""
     names, runs = _dense_cases((0, 1, 2), ("fp32", "bf16"))
+    more_names, more = _dense_cases((2,), ("fp16",))
+    names, runs = names + more_names, runs + more
+    more_names, more = _dense_cases((1,), ("fp32",), optimizer="SGD")
+    names, runs = names + more_names, runs + more
     _check_constant(run_distributed(sync_cases.step_syncs, 2, runs, True, init_pg=False), names)
 
 

@@ -64,7 +64,8 @@ def expert_counts(topk_index: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def _counts(slot: torch.Tensor, num_experts: int) -> torch.Tensor:
-    return torch.zeros(num_experts + 1, dtype=torch.long, device=slot.device).scatter_add_(0, slot, torch.ones_like(slot))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=slot.device)
+    return counts.scatter_add_(0, slot, torch.ones_like(slot))
 
 
 def _slot(flat_expert: torch.Tensor, num_experts: int) -> torch.Tensor:

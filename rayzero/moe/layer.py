@@ -208,7 +208,9 @@ class MoE(nn.Module):
         capacity_factor: ``None`` (default) is dropless.  A number caps every expert at
             ``ceil(capacity_factor * T * top_k / E)`` of this rank's ``T * top_k`` assignments per forward;
             each expert keeps its earliest tokens (in the flattened input order) and drops the rest, whose
-            router weight is lost (the token's output gets only its kept experts, or nothing).
+            router weight is lost (the token's output gets only its kept experts, or nothing).  The token
+            exchange then has fixed sizes (every expert computes ``ep * capacity`` rows, padded with zeros)
+            and reads nothing back to the host; dropless routing reads the counts once per forward.
         aux_loss_coef: weight of the load-balancing loss ``E * sum_e f_e * P_e`` (``f_e``: fraction of the
             ``T * top_k`` assignments the router gave expert ``e``, before any capacity drop; ``P_e``: mean
             router probability of ``e``).  It is 1 when the load is perfectly balanced.
