@@ -102,7 +102,8 @@ def zero_config(stage: int, dtype: str, global_batch: int, gas: int, clip: float
 class SyncCounter:
     """Host syncs as torch's CUDA sync debug mode reports them (a warning per synchronizing call: .item(),
     blocking copies, stream and device synchronize, nonzero ...), plus ``torch.cuda.Event.synchronize``,
-    which that mode does not report. ``mark()`` closes one interval (an optimizer step) and keeps its
+    which that mode does not report (torch 2.11). Syncs inside backward's kernels are reported at the line
+    that called backward (the autograd engine replays its threads' warnings there). ``mark()`` closes one interval (an optimizer step) and keeps its
     count; ``where`` counts the Python lines that synced. On the CPU nothing is counted (``active`` False)."""
 
     def __init__(self, active: bool):
@@ -132,9 +133,12 @@ class SyncCounter:
         counter = self
 
         def synchronize(event):
-            counter.total += 1
-            counter.where["torch.cuda.Event.synchronize"] += 1
-            return original(event)
+            before = counter.total
+            result = original(event)
+            if counter.total == before:  # counted once, should a torch version make the mode report it
+                counter.total += 1
+                counter.where["torch.cuda.Event.synchronize"] += 1
+            return result
 
         torch.cuda.Event.synchronize = synchronize
         self._stack.callback(setattr, torch.cuda.Event, "synchronize", original)
