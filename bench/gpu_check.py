@@ -31,20 +31,18 @@ CUDA_TEST_FILES = re.compile(r"torch\.cuda\.is_available\(\)|requires_cuda|skipi
 # a collection error that only says an optional package is missing on this machine (not a rayzero bug)
 MISSING_OPTIONAL = re.compile(r"No module named '(ray|deepspeed|transformers)")
 
-# name, time limit (s), arguments on a GPU, arguments in the dry run (None: skipped there, with the reason)
+# name, time limit (s), arguments on a GPU, arguments in the dry run
 GPU_SIZES = dict(dim=768, layers=8, heads=12, context=512, micro=16, steps=30, warmup=10)
 SMOKE_SIZES = dict(dim=32, layers=1, heads=2, context=16, micro=2, steps=2, warmup=1)
 SECTIONS = [
     ("train-parity", 150, {}, {"steps": 3, "stages": [0, 1, 2, 3], "dtypes": ["fp32", "bf16"]}),
-    ("capture", 120, {}, None),
+    ("capture", 120, {}, {"steps": 4, "stages": [1]}),  # the dry run captures with inductor
     ("offload", 120, {}, {"steps": 3}),
     ("moe", 60, {}, {}),
     ("throughput", 150, GPU_SIZES, SMOKE_SIZES),
     ("train-parity-world2", 120, {}, {"steps": 2, "stages": [0, 3], "dtypes": ["fp32"]}),
     ("fit", 180, {}, {"steps": 3}),
 ]
-SMOKE_SKIPPED = {"capture": "CUDA graphs need a GPU; capture on the CPU compiles with inductor (minutes on 2 cores, "
-                            "covered by tests/test_graph_capture.py); --smoke-capture runs it anyway"}
 
 
 def environment() -> dict:
@@ -151,7 +149,12 @@ def section(name: str, limit: float, args: dict) -> dict:
         cmd = [sys.executable, os.path.join(HERE, "gpu_cases.py"), name, json.dumps(args), out]
         code, text = run_child(cmd, limit, child_env())
         if code is None:
-            return {"status": "FAIL", "reason": f"timed out after {limit:.0f} s (killed)", "log": text.splitlines()[-30:]}
+            result = {"status": "FAIL", "reason": f"timed out after {limit:.0f} s (killed)", "log": text.splitlines()[-30:]}
+            if os.path.exists(out + ".partial"):  # what the section finished before it was killed
+                with open(out + ".partial") as f:
+                    partial = json.load(f)
+                result.update(numbers=partial.get("numbers", ""), details=partial.get("details", []))
+            return result
         if not os.path.exists(out):
             return {"status": "FAIL", "reason": f"the section's process ended with {code} and no result",
                     "log": text.splitlines()[-30:]}
@@ -168,7 +171,6 @@ def cell(text) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="dry run on the CPU: tiny sizes, CUDA-only parts skipped")
-    p.add_argument("--smoke-capture", action="store_true", help="with --cpu-smoke: also run the capture section (inductor)")
     p.add_argument("--only", default="", help="comma-separated section names (cuda-tests and the ones above)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds for every section together (default 450)")
     p.add_argument("--sync-limit", type=int, default=2,
@@ -211,11 +213,6 @@ def main(argv=None) -> int:
         if not want(name):
             continue
         args = gpu_args if not a.cpu_smoke else smoke_args
-        if a.cpu_smoke and name == "capture" and a.smoke_capture:
-            args = {"steps": 3, "stages": [1]}
-        if args is None:
-            rows.append((name, {"status": "SKIP", "reason": SMOKE_SKIPPED[name]}))
-            continue
         if name == "fit" and env["packages"].get("ray") is None:
             rows.append((name, {"status": "SKIP", "reason": "ray is not importable: rayzero.fit with use_gpu=True "
                                 "not covered (ray's wheel is over the 64 MiB carry limit: bench/README.md)"}))
@@ -230,6 +227,9 @@ def main(argv=None) -> int:
             rows.append((name, {"status": "SKIP", "reason": f"the overall budget ({a.budget:.0f} s) is spent"}))
             continue
         r = section(name, budget, dict(args, device=device, limit=budget))
+        counts = [c for v in (r.get("syncs") or {}).values() for c in v]
+        if counts:  # host syncs per optimizer step over the section's counted runs
+            r["numbers"] = (r.get("numbers") or "") + f"; syncs/step {min(counts)}-{max(counts)}"
         rows.append((name, r))
         print(f"[{name}] {r['status']} in {r.get('seconds', '?')} s: {r.get('numbers', '')} {r.get('reason', '')}",
               flush=True)
@@ -253,9 +253,9 @@ def main(argv=None) -> int:
             "numbers": f"max {max(max(v) for v in counted.values())} per step over {len(counted)} runs "
                        f"(limit {a.sync_limit})"}))
     if not a.cpu_smoke and gpus < 2:
-        rows.append(("not covered on 1 GPU", {"status": "SKIP", "reason": "NCCL between ranks, rank-to-device "
-                     "placement with LOCAL_RANK > 0, and a second group's stream for stage-3 gathers need 2 GPUs; "
-                     "several hosts need several machines"}))
+        rows.append(("not covered on 1 GPU", {"status": "SKIP", "reason": "need 2 GPUs: NCCL collectives between "
+                     "ranks, shards and devices at LOCAL_RANK > 0 (zero_init, set_device), workers sharing GPUs "
+                     "(fractional use_gpu); need several machines: ranks on several hosts"}))
 
     total = time.perf_counter() - start
     lines = [f"# rayzero GPU check ({'CPU dry run' if a.cpu_smoke else 'GPU'})", "",
