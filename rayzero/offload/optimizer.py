@@ -347,9 +347,14 @@ def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, dp: int,
     if accelerator.name != "cpu":
         from rayzero.offload.plan import device_and_host_bytes_per_param, resolve_auto_offload_on_device
 
+        # what the model's parameters already hold on the device (stages 0-2 keep them) is not free any more,
+        # and not needed again
+        held = 0 if stage == 3 else sum(p.numel() * p.element_size() for p in params
+                                        if p.device.type != "cpu" and not hasattr(p, "_rayzero_shard"))
+
         def split(device: str) -> tuple[int, int]:
             on_device, on_host = device_and_host_bytes_per_param(stage, dp, mixed, opt_bytes, device)
-            return int(on_device * n), int(on_host * n) + (pool if device == "nvme" else 0)
+            return max(0, int(on_device * n) - held), int(on_host * n) + (pool if device == "nvme" else 0)
 
         need = split("none")[0]
         device_left = accelerator.available_memory()

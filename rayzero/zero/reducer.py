@@ -355,6 +355,7 @@ class GradientReducer:
             host.copy_(b.out, non_blocking=acc.is_pinned(host))
             copied = acc.Event()
             copied.record(self._d2h_stream)
+        acc.record_stream(b.out, self._d2h_stream)  # should the pool drop it, its memory waits for the copy
         self._to_host.append((b, grad, b.partition_stale, copied))
         self._give("out", b.out, read_until=copied)
 
