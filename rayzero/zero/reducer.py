@@ -432,5 +432,7 @@ class GradientReducer:
             b.rows = b.out = b.send = b.handle = None
         self._pool.clear()
         self._reuse_after.clear()
+        if self._to_host:  # the copies still write the host buffers about to go
+            self._to_host[-1][3].synchronize()
         self._to_host = []
         self._regions = {}
