@@ -243,6 +243,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steps between checkpoints (0: only at the end)")
     p.add_argument("--cpus-per-worker", type=positive_int, default=1,
                    help="CPUs each worker reserves (and uses as threads)")
+    p.add_argument("--gpu", action="store_true",
+                   help="one GPU per worker (its batches and model on it, NCCL between workers)")
     p.add_argument("--verbose", action="store_true",
                    help="also show Ray's own console output (Ray Train's INFO lines and reports, Ray core log "
                         "lines, every rank's repeated lines); off: start-up phases and one progress line per update")
@@ -286,6 +288,7 @@ def main(argv=None) -> None:
         max_failures=2,
         elastic_check_interval_s=5,
         resources_per_worker={"CPU": args.cpus_per_worker},
+        use_gpu=args.gpu,
         verbose=args.verbose,
     )
     os.environ.setdefault("RAYZERO_THREADS_PER_WORKER", str(args.cpus_per_worker))

@@ -49,6 +49,21 @@ def test_groups_over_a_gloo_default_group_carry_device_tensors():
         assert "new_group(ranks, backend='standin')" in r["refused"]
 
 
+@pytest.mark.parametrize("model,ep,tp", [("qwen3_moe_noaux", 2, 1), ("qwen3", 1, 2)], ids=["autoep2", "autotp2"])
+def test_expert_and_tensor_parallel_over_a_gloo_default_group(model, ep, tp):
+    """The MoE all-to-all and the TP all-reduces call torch directly on the EP / TP groups: over a gloo
+    default group those are rayzero's groups of the device backend, and training equals the CPU's."""
+    import device_cases
+
+    on_device = run_distributed(device_cases.parallel_on_device, 2, True, model, ep, tp)  # gloo default group
+    on_cpu = run_distributed(device_cases.parallel_on_device, 2, False, model, ep, tp)
+    for d, c in zip(on_device, on_cpu):
+        torch.testing.assert_close(d["losses"], c["losses"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(d["norms"], c["norms"], rtol=1e-5, atol=1e-6)
+        for k, v in c["weights"].items():
+            torch.testing.assert_close(d["weights"][k], v, rtol=1e-5, atol=1e-6)
+
+
 def test_batches_reach_the_device_whatever_their_nesting():
     r = run_distributed(device_fit_cases.nested_batch_to_device, 1, init_pg=False)[0]
     assert r["devices"] == ["standin:0"] * 4

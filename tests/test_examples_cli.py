@@ -19,7 +19,7 @@ from rayzero.train.cluster_config import STORAGE_ENV, default_storage
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train.py")
 FLAGS = ["--max-steps", "--workers", "--stage", "--storage", "--name", "--resume", "--global-batch", "--context",
-         "--lr", "--checkpoint-every", "--cpus-per-worker", "--verbose"]
+         "--lr", "--checkpoint-every", "--cpus-per-worker", "--gpu", "--verbose"]
 
 
 def _load():
