@@ -65,11 +65,6 @@ def test_stages_0_to_2_on_the_device_read_only_the_norm():
     _check_constant(run_distributed(sync_cases.step_syncs, 2, runs, True, init_pg=False), names)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "optimizer offload copies each bucket device->host with a blocking copy in the reducer "
-    "(zero/reducer.py _settle), publishes each parameter host->device with a blocking copy "
-    "(zero/publish.py publish) and moves the norm's partial sum host->device (zero/partition.py "
-    "local_grad_sq_sum): pinned buffers, side streams and events are helper 'streams'' work"))
 @pytest.mark.parametrize("stage", [1, 2])
 def test_optimizer_offload_on_the_device_reads_only_the_norm(stage):
     names, runs = _dense_cases((stage,), ("fp32", "bf16"), offload="cpu")

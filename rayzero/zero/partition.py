@@ -107,6 +107,7 @@ class Partitions:
         # optimizer is offloaded: then the masters and gradient accumulators live on ``state_device``.
         self.device = device if device is not None else torch.device("cpu")
         self.state_device = state_device if state_device is not None else self.device
+        self._host_scalar: torch.Tensor | None = None  # pinned slot for the offloaded norm part
         self.partitioned = partitioned
         self.param_swap = None  # offload/params.py NvmeParamSwap, with offload_param on NVMe
         # reads a swapped-out group's fp32 master (offload/optimizer.py), for exports between steps
@@ -247,11 +248,29 @@ class Partitions:
         one and needs no collective.
         """
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        on_host = None  # offloaded gradients live on the host: their part is summed there
         for g in self.groups:
             counted = whole_on_every_rank or (g.domain.primary and (g.world > 1 or g.domain.comm.rank == 0))
             if counted and g.grad.numel():
-                total += torch.dot(g.grad, g.grad).to(self.device)  # offloaded gradients live on the host
+                sq = torch.dot(g.grad, g.grad)
+                if sq.device == total.device:
+                    total += sq
+                else:
+                    on_host = sq if on_host is None else on_host + sq
+        if on_host is not None:
+            total += self._to_device_without_waiting(on_host)
         return total
+
+    def _to_device_without_waiting(self, scalar: torch.Tensor) -> torch.Tensor:
+        """A host scalar on the compute device through a pinned slot kept for it: the copy is queued behind
+        the device's work instead of the host waiting for that work (a copy from pageable memory would).
+        The slot is rewritten only at the next step, after the norm's read has waited for this copy."""
+        if self.device.type == "cpu":
+            return scalar
+        if self._host_scalar is None:
+            self._host_scalar = self._zeros(1, pin_memory=True)[0]
+        self._host_scalar.copy_(scalar)
+        return self._host_scalar.to(self.device, non_blocking=True)
 
     @torch.no_grad()
     def gather_full(self, entry: ParamEntry, source: str = "master") -> torch.Tensor:
