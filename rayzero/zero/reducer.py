@@ -164,7 +164,8 @@ class GradientReducer:
         self._offloaded = any(g.grad.device.type != partitions.device.type for g in partitions.groups)
         self._accelerator = accelerator_for(partitions.device) if self._offloaded else None
         self._d2h_stream = self._accelerator.stream() if self._accelerator is not None else None
-        self._to_host: list[tuple] = []  # (bucket, its partition slice, overwrite?, copy event), in copy order
+        # (bucket, its partition slice, overwrite? (None: copied into the slice itself), copy event), in order
+        self._to_host: list[tuple] = []
         self._reuse_after: dict[int, object] = {}  # id(pooled buffer) -> event of the copy still reading it
         self.host_waits = 0  # host waits on the device-to-host copies (tests)
 
@@ -345,9 +346,15 @@ class GradientReducer:
         acc = self._accelerator
         if any(pending[0] is b for pending in self._to_host):
             self.drain(only_if_unfinished=True)  # its host buffer is about to be rewritten
-        if b.host_out is None or b.host_out.numel() < b.out.numel() or b.host_out.dtype != b.out.dtype:
-            b.host_out = acc.pin_memory(torch.empty(b.out.numel(), dtype=b.out.dtype))
-        host = b.host_out[: b.out.numel()]
+        # the window's first reduction into a pinned partition (offload_optimizer.pin_memory) lands in the
+        # partition itself; others go through the bucket's own pinned buffer, added at drain()
+        direct = b.partition_stale and b.out.dtype == grad.dtype and acc.is_pinned(grad)
+        if direct:
+            host = grad
+        else:
+            if b.host_out is None or b.host_out.numel() < b.out.numel() or b.host_out.dtype != b.out.dtype:
+                b.host_out = acc.pin_memory(torch.empty(b.out.numel(), dtype=b.out.dtype))
+            host = b.host_out[: b.out.numel()]
         reduced = acc.Event()
         reduced.record(acc.current_stream())  # the reduction's result is complete on the compute stream
         with acc.stream_context(self._d2h_stream):
@@ -356,7 +363,7 @@ class GradientReducer:
             copied = acc.Event()
             copied.record(self._d2h_stream)
         acc.record_stream(b.out, self._d2h_stream)  # should the pool drop it, its memory waits for the copy
-        self._to_host.append((b, grad, b.partition_stale, copied))
+        self._to_host.append((b, grad, None if direct else b.partition_stale, copied))
         self._give("out", b.out, read_until=copied)
 
     @torch.no_grad()
@@ -371,6 +378,8 @@ class GradientReducer:
             newest.synchronize()
             self.host_waits += 1
         for b, grad, overwrite, _ in self._to_host:
+            if overwrite is None:  # copied straight into the partition
+                continue
             host = b.host_out[: grad.numel()]
             if overwrite:
                 grad.copy_(host)
