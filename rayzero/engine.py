@@ -127,13 +127,14 @@ class Engine:
         params = [p for g in groups for p in g["params"]]
         device = params[0].device if params else self.accelerator.device()
         z = cfg.zero_optimization
-        self.offload_device = resolve_offload_device(cfg, params, self.stage, self.topology.dp)
+        self.offload_device = resolve_offload_device(cfg, params, self.stage, self.topology.dp, self.accelerator)
         offload = self.offload_device != "none"
         # stages 0-2 keep the model's parameters (already allocated); stage 3 frees them after set-up
         kept = 0 if self.stage == 3 else sum(p.numel() * p.element_size() for p in params
                                              if not hasattr(p, "_rayzero_shard"))
         world_of = lambda p: self.parallel.domain_of(p).comm.world if self.stage else 1
-        check_model_states_fit(cfg, params, world_of, self.stage, device.type, self.offload_device, kept)
+        check_model_states_fit(cfg, params, world_of, self.stage, device.type, self.offload_device, kept,
+                               accelerator=self.accelerator)
         # Stages 1-2 in fp32 with the ranks of a host sharing one copy of the weights (zero/publish.py): a
         # large parameter gets a partition group of its own, whose master is then the rank's row of the
         # shared weights, so the optimizer updates them in place and publishing copies nothing.

@@ -411,9 +411,9 @@ def check_model_states_fit(cfg, params: list[torch.Tensor], world_of, stage: int
     on_device, wanted = split(offload)
     if on_accelerator:
         if accelerator is None:
-            from rayzero.accelerator import get_accelerator
+            from rayzero.offload.staging import accelerator_for
 
-            accelerator = get_accelerator(device_kind)
+            accelerator = accelerator_for(torch.device(device_kind))
         device_left = accelerator.available_memory()
         if on_device > device_left:
             fix = ("use a higher ZeRO stage or more ranks" if offload != "none" else

@@ -82,10 +82,15 @@ class BufferFence:
 
 
 def accelerator_for(device: torch.device) -> Any:
-    """rayzero's accelerator for ``device``'s kind, or None when no accelerator of that name is registered."""
+    """rayzero's accelerator for ``device``'s kind: the one this process trains on when its tensors live
+    there (a plugin named as ``module:attribute`` too), else the one registered under the kind's name, else
+    None."""
     from rayzero.accelerator import get_accelerator
 
     try:
+        mine = get_accelerator()
+        if mine.device().type == device.type:
+            return mine
         return get_accelerator(device.type)
     except ValueError:
         return None
