@@ -28,20 +28,21 @@ class OwnDeviceAccelerator(StandInDeviceAccelerator):
         return f"the device of process {os.getpid()}"
 
 
-def zero_init_on_the_rank_device(rank: int, world: int, on_device: bool) -> dict:
-    """A model built under zero_init with LOCAL_RANK = rank: where its shards land, which devices were bound
-    (before the process group: zero_init comes before any engine), and the shards' values."""
+def zero_init_on_the_rank_device(rank: int, world: int, on_device: bool, accelerator: str) -> dict:
+    """A model built under zero_init with LOCAL_RANK = rank on the stand-in (``accelerator`` "standin") or the
+    CPU: where its shards land, which devices were bound (before the process group: zero_init comes before
+    any engine), and the shards' values."""
     import rayzero
     from zero_cases import make_model
 
     os.environ["LOCAL_RANK"] = str(rank)
-    acc = use_standin(on_device=on_device)
+    acc = use_standin(on_device=on_device) if accelerator == "standin" else None
     with rayzero.zero_init():
         model = make_model()
     shards = {n: p._rayzero_shard for n, p in model.named_parameters()}
     return {
         "devices": sorted({str(s.device) for s in shards.values()}),
-        "set_devices": list(acc.set_devices),
+        "set_devices": list(acc.set_devices) if acc is not None else None,
         "shards": {n: s.cpu() for n, s in shards.items()},
     }
 
