@@ -67,9 +67,10 @@ class BufferFence:
 
     def wait(self) -> None:
         # all on one stream, in order: the newest covers the others; one known finished needs no wait
-        if self.pending and self.events and not self.events[-1].query():
-            self.events[-1].synchronize()
-            self.host_waits += 1
+        if self.pending:
+            if self.events and not self.events[-1].query():
+                self.events[-1].synchronize()
+                self.host_waits += 1
             self.waits = self.records
         self.events = []
         if self.log is not None:
