@@ -210,7 +210,7 @@ class _AsStage:
 
 
 def theory_rayzero(spec: dict, a, world: int, engine) -> dict:
-    from rayzero.offload.plan import ram_bytes_per_param
+    from rayzero.memory import ram_bytes_per_param
 
     n = param_count(a.dim, a.hidden, a.blocks)
     s, dev = spec["stage"], spec["offload"]
@@ -232,7 +232,7 @@ def theory_rayzero(spec: dict, a, world: int, engine) -> dict:
 def theory_peer(spec: dict, a, world: int) -> dict:
     zspec = {"kind": spec["kind"], "raf": spec.get("raf", True), "stage": spec.get("stage")}
     if spec["kind"] == "deepspeed":  # rayzero's per-parameter figures (DeepSpeed's design); its buckets not counted
-        from rayzero.offload.plan import ram_bytes_per_param
+        from rayzero.memory import ram_bytes_per_param
 
         n = param_count(a.dim, a.hidden, a.blocks)
         return dict(states_bytes=ram_bytes_per_param(spec["stage"], world, False, 8, spec["offload"]) * n,
@@ -521,7 +521,7 @@ def render(rows: list[dict], meta: dict) -> str:
         "I/O calls (its busy time). blocked on swap I/O: time the step spends in swap_in (read: waiting for a "
         "sub-group's reads), taking a slot (slot: waiting for its earlier writes) and the final flush (flush: the "
         "last writes). theory: model states = "
-        "rayzero.offload.plan.ram_bytes_per_param x params (stage 3: + persistent parameters whole; peers: "
+        "rayzero.memory.ram_bytes_per_param x params (stage 3: + persistent parameters whole; peers: "
         "bench_zero's design figures, DDP 16, FSDP2 16/W bytes/param), activations saved for backward, and the "
         "buckets bench_zero's bucket_allowance counts. swap pool: the aligned buffers the NVMe path allocates and "
         "keeps (master + 2 AdamW moments per slot), which ram_bytes_per_param does not count; allocated: the "

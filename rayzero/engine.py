@@ -41,9 +41,8 @@ from rayzero.zero.reducer import GradientReducer
 from rayzero.zero.init import materialize_frozen
 from rayzero.zero.update import update, weights_can_be_shared
 from rayzero.zero.stage3 import ParamGatherer, freed_by_destroy
-from rayzero.offload.optimizer import (
-    NvmeOptimizerSwap, check_model_states_fit, resolve_offload_device, sub_group_size,
-)
+from rayzero.memory import sub_group_size
+from rayzero.offload.optimizer import NvmeOptimizerSwap, check_model_states_fit, resolve_offload_device
 
 
 logger = logging.getLogger("rayzero")
@@ -127,12 +126,12 @@ class Engine:
         params = [p for g in groups for p in g["params"]]
         device = params[0].device if params else self.accelerator.device()
         z = cfg.zero_optimization
-        self.offload_device = resolve_offload_device(cfg, params, self.stage, self.topology.dp, self.accelerator)
+        world_of = lambda p: self.parallel.domain_of(p).comm.world if self.stage else 1
+        self.offload_device = resolve_offload_device(cfg, params, self.stage, world_of, self.accelerator)
         offload = self.offload_device != "none"
         # stages 0-2 keep the model's parameters (already allocated); stage 3 frees them after set-up
         kept = 0 if self.stage == 3 else sum(p.numel() * p.element_size() for p in params
                                              if not hasattr(p, "_rayzero_shard"))
-        world_of = lambda p: self.parallel.domain_of(p).comm.world if self.stage else 1
         check_model_states_fit(cfg, params, world_of, self.stage, device.type, self.offload_device, kept,
                                accelerator=self.accelerator)
         # Stages 1-2 in fp32 with the ranks of a host sharing one copy of the weights (zero/publish.py): a

@@ -15,12 +15,8 @@ import rayzero
 from rayzero.config import Config
 from rayzero.train.cluster_config import ClusterConfig
 from rayzero.train.fit import _plan_run
-from rayzero.train.state_memory import (
-    _check_fits,
-    model_state_bytes,
-    model_state_bytes_per_param,
-    model_state_bytes_per_worker,
-)
+from rayzero.memory import model_state_bytes, model_state_bytes_per_param, model_state_bytes_per_worker
+from rayzero.train.state_memory import _check_fits
 from rayzero.train.planning import MicroBatchSizes, plan_range, plan_step
 from rayzero.train.worker import WorkerSpec, _plan_for
 

@@ -146,7 +146,7 @@ def test_bad_input_fails_before_training_with_clear_errors(tmp_path):
 
 
 def test_plan_that_cannot_fit_in_node_memory_is_rejected(tmp_path):
-    from rayzero.train.state_memory import model_state_bytes_per_worker
+    from rayzero.memory import model_state_bytes_per_worker
 
     assert model_state_bytes_per_worker(1000, 0, 2, False) == 16_000
     assert model_state_bytes_per_worker(1000, 2, 2, False) == 4_000 + 8_000

@@ -104,7 +104,7 @@ NVME_BIG = {
 def test_driver_refuses_a_swap_that_does_not_fit_the_disk_before_any_worker_starts(tmp_path):
     from rayzero.accelerator.memory_limits import detect_memory_limit
     from rayzero.config import Config
-    from rayzero.train.state_memory import model_state_bytes
+    from rayzero.memory import model_state_bytes
 
     nvme = tmp_path / "nvme"
     nvme.mkdir()

@@ -12,7 +12,8 @@ import pytest
 
 import rayzero
 from rayzero.offload import swap_dirs
-from rayzero.offload.plan import ram_bytes_per_param, resolve_auto_offload, swap_bytes_per_rank
+from rayzero.memory import ram_bytes_per_param, swap_bytes_per_rank
+from rayzero.offload.plan import resolve_auto_offload
 from rayzero.offload.swap_dirs import SWAP_DIR_ENV, acquire_swap_dir, hostname, pid_alive, write_owner
 
 MIB = 1 << 20
@@ -158,7 +159,7 @@ def test_swap_bytes_per_rank():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("mixed", [False, True])
 def test_ram_bytes_without_offload_and_with_cpu_are_the_memory_table(stage, mixed):
-    from rayzero.train.state_memory import model_state_bytes_per_param
+    from rayzero.memory import model_state_bytes_per_param
 
     for world in (1, 2, 4, 7):
         for opt in (0, 8, 12):
@@ -258,7 +259,8 @@ def test_auto_offload_is_decided_on_the_node_reports():
 
 
 def test_swap_that_cannot_fit_a_nodes_disk_is_refused():
-    from rayzero.train.offload_check import check_swap_fits, swap_bytes
+    from rayzero.memory import swap_bytes
+    from rayzero.train.offload_check import check_swap_fits
 
     model, cfg = _gib_model(), _cfg("nvme")
     per_rank = swap_bytes(model, cfg, 2)
@@ -298,7 +300,7 @@ def test_nvme_paths_become_absolute_and_must_agree():
 
 
 def test_swap_pool_bytes_counts_the_slots_a_step_keeps_in_memory():
-    from rayzero.offload.plan import swap_pool_bytes
+    from rayzero.memory import swap_pool_bytes
 
     # 4 slots of a 1e6-element sub-group, each with the fp32 master and AdamW's two moments
     assert swap_pool_bytes(16_000_000, 1_000_000, 4, 8) == 4 * 1_000_000 * 3 * 4
@@ -315,8 +317,7 @@ def test_nvme_start_up_check_counts_the_swap_pool():
     import torch
 
     from rayzero.config import Config
-    from rayzero.offload.optimizer import pool_bytes, sub_group_size
-    from rayzero.offload.plan import swap_pool_bytes
+    from rayzero.memory import pool_bytes, sub_group_size, swap_pool_bytes
 
     cfg = Config.from_any({"zero_optimization": {"stage": 3, "offload_optimizer": {
         "device": "nvme", "nvme_path": "/nvme", "buffer_count": 5}}})

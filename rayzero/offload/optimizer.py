@@ -286,66 +286,42 @@ class NvmeOptimizerSwap:
         return self._empty
 
 
-def sub_group_size(cfg, partition_elements: int, nvme: bool) -> int:
-    """``zero_optimization.sub_group_size``, or when it is left out: 1e9 elements (one sub-group per param
-    group in practice), and with the optimizer on NVMe 1/16 of the rank's partition, within 1e6..1e8
-    elements, so the swap pool (up to ``buffer_count`` sub-groups) stays a small part of what offload
-    saves."""
-    chosen = cfg.zero_optimization.sub_group_size
-    if chosen is not None:
-        return chosen
-    if not nvme:
-        return 1_000_000_000
-    return min(100_000_000, max(1_000_000, -(-partition_elements // 16)))
+def engine_states_split(cfg, params: list[torch.Tensor], world_of, stage: int, offload: str, on_accelerator: bool,
+                        preallocated: int = 0) -> tuple[int, int]:
+    """``(bytes on the compute device, bytes in host memory)`` of this rank's model states for ``params``
+    (partitioned over ``world_of(p)`` ranks each) with the optimizer offloaded to ``offload``:
+    ``rayzero.memory.states_bytes``, less ``preallocated`` (what the model's parameters already hold of them
+    on the compute device).  On the CPU both are host memory: ``(0, all of it)``."""
+    from rayzero.memory import engine_shares, states_bytes
+
+    shares = engine_shares(params, world_of)
+    device = states_bytes(shares, cfg, offload, "device", stage=stage)
+    host = states_bytes(shares, cfg, offload, "host", stage=stage)
+    if not on_accelerator:
+        return 0, max(0, device + host - preallocated)
+    return max(0, device - preallocated), host
 
 
-def optimizer_state_bytes(cfg) -> int:
-    """fp32 optimizer state per parameter: AdamW/Adam 8 (12 with amsgrad), SGD 4 with momentum, else 0."""
-    opt = cfg.optimizer
-    kind = (opt.type if opt is not None else "AdamW").lower()
-    params = opt.params if opt is not None else {}
-    if kind == "sgd":
-        return 4 if params.get("momentum") else 0
-    return 8 + (4 if params.get("amsgrad") else 0)
-
-
-def pool_bytes(cfg, params: list[torch.Tensor], world_of) -> int:
-    """The NVMe swap pool this rank keeps in memory (``plan.swap_pool_bytes``) for ``params`` partitioned over
-    ``world_of(p)`` ranks each, with the sub-groups the engine will cut."""
-    from rayzero.offload.plan import swap_pool_bytes
-
-    chunks = [-(-p.numel() // world_of(p)) for p in params]
-    if not chunks:
-        return 0
-    partition = sum(chunks)
-    sub = max(sub_group_size(cfg, partition, nvme=True), max(chunks))  # a larger parameter is its own sub-group
-    return swap_pool_bytes(partition, sub, cfg.zero_optimization.offload_optimizer.buffer_count,
-                           optimizer_state_bytes(cfg))
-
-
-def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, dp: int, accelerator=None) -> str:
+def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, world_of, accelerator=None) -> str:
     """``offload_optimizer.device`` with ``auto`` decided.  On the CPU: ``none`` when this rank's model states
     fit the memory the process may use (cgroup and rlimit aware), else ``nvme`` (with ``nvme_path``).  On an
     accelerator (``accelerator``, default the process's): ``none`` when they fit the device's free memory
-    (``available_memory()``), else ``cpu`` when the offloaded part fits host memory, else ``nvme``."""
+    (``available_memory()``), else ``cpu`` when the offloaded part fits host memory, else ``nvme``.  The
+    bytes are ``engine_states_split``'s (``rayzero/memory.py``), as the start-up check counts them."""
     off = cfg.zero_optimization.offload_optimizer
     if off.device != "auto":
         return off.device
     from rayzero.accelerator.memory_limits import detect_memory_limit
-    from rayzero.offload.plan import ram_bytes_per_param, resolve_auto_offload
+    from rayzero.offload.plan import resolve_auto_offload
 
     if accelerator is None:
         from rayzero.accelerator import get_accelerator
 
         accelerator = get_accelerator()
-    mixed = cfg.compute_dtype != torch.float32
-    n = sum(p.numel() for p in params)
-    opt_bytes = optimizer_state_bytes(cfg)
     limit = detect_memory_limit()  # headroom left under the tightest limit (the model is built already)
     left = limit.available_bytes
-    pool = pool_bytes(cfg, params, lambda p: dp if stage else 1)
     if accelerator.name != "cpu":
-        from rayzero.offload.plan import device_and_host_bytes_per_param, resolve_auto_offload_on_device
+        from rayzero.offload.plan import resolve_auto_offload_on_device
 
         # what the model's parameters already hold on the device (stages 0-2 keep them) is not free any more,
         # and not needed again
@@ -353,8 +329,7 @@ def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, dp: int,
                                         if p.device.type != "cpu" and not hasattr(p, "_rayzero_shard"))
 
         def split(device: str) -> tuple[int, int]:
-            on_device, on_host = device_and_host_bytes_per_param(stage, dp, mixed, opt_bytes, device)
-            return max(0, int(on_device * n) - held), int(on_host * n) + (pool if device == "nvme" else 0)
+            return engine_states_split(cfg, params, world_of, stage, device, True, held)
 
         need = split("none")[0]
         device_left = accelerator.available_memory()
@@ -364,8 +339,8 @@ def resolve_offload_device(cfg, params: list[torch.Tensor], stage: int, dp: int,
         logger.info("offload_optimizer.device auto -> %s (model states %d bytes, %d bytes free on the %s device)",
                     choice, need, device_left, accelerator.name)
         return choice
-    need = int(ram_bytes_per_param(stage, dp, mixed, opt_bytes, "none") * n)
-    need_nvme = int(ram_bytes_per_param(stage, dp, mixed, opt_bytes, "nvme") * n) + pool
+    need = engine_states_split(cfg, params, world_of, stage, "none", False)[1]
+    need_nvme = engine_states_split(cfg, params, world_of, stage, "nvme", False)[1]
     choice = resolve_auto_offload(need, need_nvme, left, off.nvme_path)
     logger.info("offload_optimizer.device auto -> %s (model states %d bytes, %d bytes left under %s)",
                 choice, need, left, limit.available_source)
@@ -380,33 +355,21 @@ def check_model_states_fit(cfg, params: list[torch.Tensor], world_of, stage: int
     allocation past them kills the process or fails half-way through set-up.  On an accelerator (``device_kind``
     not ``cpu``; ``accelerator`` defaults to the registered one of that kind) the part that lives on the device
     must fit its free memory (``available_memory()``), and the part offloaded to the host the host's limits.
-    ``preallocated`` is what the model's parameters already hold of these bytes (on the compute device).
+    ``preallocated`` is what the model's parameters already hold of these bytes (on the compute device).  The
+    bytes are ``engine_states_split``'s (``rayzero/memory.py``).
     """
     if not params:
         return
     from rayzero.accelerator.memory_limits import SOURCE_HOST, detect_memory_limit
     from rayzero.config import ConfigError
-    from rayzero.offload.plan import device_and_host_bytes_per_param
 
-    mixed = cfg.compute_dtype != torch.float32
-    opt_bytes = optimizer_state_bytes(cfg)
-    param_off = cfg.zero_optimization.offload_param.device
     on_accelerator = device_kind != "cpu"
     mib = 1 << 20
     count = sum(p.numel() for p in params)
 
     def split(device: str) -> tuple[int, int]:
         """(bytes on the compute device, bytes in host memory); on the CPU both are host memory."""
-        dev = host = 0.0
-        for p in params:
-            d, h = device_and_host_bytes_per_param(stage, world_of(p), mixed, opt_bytes, device,
-                                                   offload_param=param_off)
-            dev, host = dev + d * p.numel(), host + h * p.numel()
-        if device == "nvme":  # the swap pool's buffers come on top
-            host += pool_bytes(cfg, params, world_of)
-        if not on_accelerator:
-            return 0, max(0, int(dev + host) - preallocated)
-        return max(0, int(dev) - preallocated), int(host)
+        return engine_states_split(cfg, params, world_of, stage, device, on_accelerator, preallocated)
 
     on_device, wanted = split(offload)
     if on_accelerator:

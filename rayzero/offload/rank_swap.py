@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from rayzero.offload.optimizer import NvmeOptimizerSwap, optimizer_state_bytes
+from rayzero.memory import optimizer_state_bytes
+from rayzero.offload.optimizer import NvmeOptimizerSwap
 from rayzero.offload.params import NvmeParamSwap
 from rayzero.offload.swap_dirs import acquire_swap_dir
 from rayzero.offload.swap_store import ALIGNMENT, SwapStore

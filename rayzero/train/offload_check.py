@@ -1,6 +1,7 @@
 """The driver's offload planning before launch: what ``"device": "auto"`` becomes, and whether the NVMe swap
-of the run fits each node's disk.  The arithmetic is ``rayzero/offload/plan.py``; this module applies it to
-the model (counted as ``fit``'s memory check counts it), the config and the node reports."""
+of the run fits each node's disk.  The bytes are ``rayzero/memory.py``'s (counted over the model as ``fit``'s
+memory check counts them); the decisions are ``rayzero/offload/plan.py``'s and this module's, from the config
+and the node reports."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import os
 import torch
 
 from rayzero.config import Config, ConfigError
-from rayzero.offload.plan import GIB, resolve_auto_offload, swap_bytes_per_rank
+from rayzero.memory import GIB, model_state_bytes, swap_bytes
+from rayzero.offload.plan import resolve_auto_offload
 from rayzero.train.cluster_config import ClusterConfig
 
 logger = logging.getLogger("rayzero")
@@ -55,8 +57,6 @@ def resolve_auto(counted: torch.nn.Module | None, cfg: Config, cluster: ClusterC
     """Decide ``offload_optimizer.device: "auto"`` for the whole run at the smallest world size (the largest
     share per worker): sets it in ``cfg`` and returns the line that says what was chosen and why (None when
     the device is not ``auto``).  A model that cannot be counted keeps ``auto``: each engine decides."""
-    from rayzero.train.state_memory import model_state_bytes
-
     off = cfg.zero_optimization.offload_optimizer
     if off.device != "auto":
         return None
@@ -81,7 +81,7 @@ def _resolve_auto_on_devices(counted, cfg: Config, world: int, nodes: list[dict]
     """``auto`` on accelerator nodes: the nodes report device memory (``limit``); the model states must fit it,
     else the optimizer goes to the CPU where its part fits the hosts' memory per worker, else to NVMe."""
     from rayzero.offload.plan import resolve_auto_offload_on_device
-    from rayzero.train.state_memory import host_memory_per_worker, model_state_bytes
+    from rayzero.train.state_memory import host_memory_per_worker
 
     def split(device: str) -> tuple[int, int]:
         return (model_state_bytes(counted, cfg, world, offload=device, where="device")[0],
@@ -95,31 +95,6 @@ def _resolve_auto_on_devices(counted, cfg: Config, world: int, nodes: list[dict]
     return (f"offload_optimizer.device auto -> {off.device}: {n:,} parameters on {world} worker(s) need "
             f"{need / GIB:.2f} GiB of model state per worker, which {why} (limit {limit / GIB:.2f} GiB, {source}; "
             f"host {host_left / GIB:.2f} GiB per worker)")
-
-
-def swap_bytes(model: torch.nn.Module, cfg: Config, world: int) -> int:
-    """Bytes one of ``world`` ranks keeps in its swap directory (``plan.swap_bytes_per_rank``): the trainable
-    parameters it holds (1/tp, experts 1/ep more) partitioned over dp (experts over edp)."""
-    from rayzero.offload.optimizer import optimizer_state_bytes
-    from rayzero.train.state_memory import _expert_params
-
-    z = cfg.zero_optimization
-    tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
-    dp = max(1, world // tp)
-    experts = _expert_params(model) if ep > 1 else set()
-    params = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-    dense = sum(p.numel() for p in params if p not in experts) // tp
-    expert = sum(p.numel() for p in params if p in experts) // (tp * ep)
-    weights = 2 if cfg.compute_dtype != torch.float32 else 4
-    kwargs = dict(
-        block=cfg.aio.block_size,
-        sub_group_size=z.sub_group_size or 1_000_000_000,  # unset: the engine's NVMe sub-groups are smaller
-        param_bytes=weights if z.offload_param.device == "nvme" else 0,
-        offload_optimizer=z.offload_optimizer.device == "nvme",
-    )
-    opt = optimizer_state_bytes(cfg)
-    return (swap_bytes_per_rank(dense, z.stage, dp, opt, **kwargs)
-            + swap_bytes_per_rank(expert, z.stage, max(1, dp // ep), opt, **kwargs))
 
 
 def node_slots(cluster: ClusterConfig) -> dict[str, tuple[str, int]]:
@@ -143,7 +118,7 @@ def check_swap_fits(model: torch.nn.Module, cfg: Config, worlds: list[int], slot
                     capacity: dict[str, dict]) -> None:
     """Refuse a plan whose swap files cannot fit a node's disk: at every world size of the range, as many ranks
     as the node can host (at most the world size), each keeping ``swap_bytes``, against the free space under
-    nvme_path that the node's NodeSwapStore reports."""
+    nvme_path that the node's NodeSwapStore reports (``rayzero.memory.swap_bytes`` per rank)."""
     per_rank = {w: swap_bytes(model, cfg, w) for w in worlds}
     for node_id, cap in capacity.items():
         host = cap.get("hostname") or slots.get(node_id, ("?",))[0]

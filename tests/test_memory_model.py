@@ -1,0 +1,156 @@
+"""rayzero/memory.py, the one memory model: its model-state figures equal the bytes of a real engine's tensors
+after a step (stages 0-3, two gloo ranks), its stage-3 gathers and buckets are what the engine uses, and every
+consumer (the engine's start-up check, its "auto", rayzero.fit's plan check and the driver's "auto") decides
+at the same byte count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memory_cases
+from device_cases import StandInAccelerator
+from distributed import run_distributed
+from rayzero.config import Config, ConfigError
+from rayzero.memory import model_state_bytes, rank_memory
+
+WORLD = 2
+KINDS = ("weights", "master", "grads", "optimizer")
+
+
+def _meta_net() -> torch.nn.Module:
+    with torch.device("meta"):
+        return memory_cases.Net()
+
+
+def _many(rank: int, world: int, configs: list[dict]) -> list[dict]:
+    return [memory_cases.engine_tensors(rank, world, c) for c in configs]
+
+
+CASES = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    configs = [memory_cases.config(stage, dtype) for stage, dtype in CASES]
+    configs.append(memory_cases.config(3, "fp32", stage3_prefetch_bucket_size=1000))  # a smaller budget
+    configs.append(memory_cases.config(2, "fp32", reduce_bucket_size=2000, allgather_bucket_size=3000))
+    ranks = run_distributed(_many, WORLD, configs, env={"RAYZERO_SHM": "0"})
+    return {"configs": configs, "ranks": ranks}
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"stage{s}-{d}" for s, d in CASES])
+def test_model_states_equal_the_engines_tensors(measured, index):
+    """weights, fp32 master, fp32 gradients (stage 1: + its whole local buffer) and AdamW's moments, as
+    summed over the engine's tensors after a step (each storage once: stage 0's fp32 parameters are views
+    of the master), equal rank_memory's figures byte for byte (the model pads nothing at world 2)."""
+    cfg = Config.from_any(measured["configs"][index])
+    model = rank_memory(_meta_net(), cfg, WORLD)
+    for rank, real in enumerate(measured["ranks"]):
+        got = {k: real[index][k] for k in KINDS}
+        assert got == {k: getattr(model, k) for k in KINDS}, (CASES[index], rank)
+    assert model.model_states() == model_state_bytes(_meta_net(), cfg, WORLD)[0]  # fit's count is the same
+
+
+def test_buckets_are_the_engines(measured):
+    """Derived bucket sizes (the config leaves them out) are the engine's, taken from the same rule; the
+    reduce buckets in flight are the engine's largest bucket, MAX_INFLIGHT + 1 times; stages 1-2 add two
+    all-gather buckets.  Sizes written in the config are used as they are."""
+    for index, c in enumerate(measured["configs"]):
+        cfg = Config.from_any(c)
+        model = rank_memory(_meta_net(), cfg, WORLD)
+        real = measured["ranks"][0][index]
+        assert (model.reduce_bucket_size, model.allgather_bucket_size) == (
+            real["reduce_bucket_size"], real["allgather_bucket_size"]), c
+        stage = cfg.zero_optimization.stage
+        reduce = (real["max_inflight"] + 1) * real["largest_reduce_bucket"] * 4 if stage >= 2 else 0
+        total = sum(p.numel() for p in _meta_net().parameters())
+        w = 2 if cfg.compute_dtype != torch.float32 else 4
+        publish = 2 * min(real["allgather_bucket_size"], total) * w if stage in (1, 2) else 0
+        assert model.buckets == reduce + publish, c
+    assert measured["ranks"][0][-1]["reduce_bucket_size"] == 2000  # the config's own
+
+
+def test_stage3_gathers_are_the_engines(measured):
+    """Stage 3's units and prefetch budget are the ParamGatherer's; the gathered bytes the engine held at
+    once over the step never exceed rank_memory's ``gathered`` (the running unit + the budget, or one unit
+    when one is larger), and reach at least two units (the prefetch ran)."""
+    for index, c in enumerate(measured["configs"]):
+        cfg = Config.from_any(c)
+        if cfg.zero_optimization.stage != 3:
+            continue
+        model = rank_memory(_meta_net(), cfg, WORLD)
+        w = 2 if cfg.compute_dtype != torch.float32 else 4
+        for per_rank in measured["ranks"]:
+            real = per_rank[index]
+            units = real["units"]
+            assert len(units) == 6 and units.count(max(units)) == 4  # inp, out and the four blocks
+            assert model.gathered == (max(units) + max(real["prefetch_elements"], max(units))) * w, c
+            assert 2 * max(units) * w <= real["gathered_peak"] <= model.gathered, (c, real["gathered_peak"])
+    budget = measured["ranks"][0][-2]
+    assert budget["prefetch_elements"] == 1000
+    assert rank_memory(_meta_net(), Config.from_any(measured["configs"][-2]), WORLD).gathered == \
+        2 * max(budget["units"]) * 4  # a budget smaller than a unit still gathers the next one
+
+
+def test_totals_add_up():
+    cfg = Config.from_any(memory_cases.config(3, "bf16"))
+    m = rank_memory(_meta_net(), cfg, WORLD, activations=1234)
+    assert m.transient() == m.gathered + m.buckets + 1234
+    assert m.total() == m.model_states() + m.swap_pool + m.transient()
+    assert m.device == "cpu" and m.swap_pool == 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_consumers_decide_at_the_same_bytes(stage):
+    """The same config and model on one accelerator rank whose free memory is exactly rank_memory's model
+    states B: the engine's start-up check passes, its "auto" keeps the optimizer, rayzero.fit's plan check
+    passes and the driver's "auto" keeps it too; at B - 1 every one of them says it does not fit."""
+    from rayzero.offload.optimizer import check_model_states_fit, resolve_offload_device
+    from rayzero.train.cluster_config import ClusterConfig
+    from rayzero.train.offload_check import resolve_auto
+    from rayzero.train.state_memory import _check_fits
+
+    torch.manual_seed(0)
+    net = memory_cases.Net()
+    params = list(net.parameters())
+    raw = memory_cases.config(stage)
+    need = rank_memory(net, Config.from_any(raw), 1, device="standin").model_states()
+    one = ClusterConfig.from_any({"workers": 1})
+
+    def nodes(free):
+        return [{"hostname": "g0", "memory_total": free, "devices": 1, "accelerator": "cuda",
+                 "memory_source": "device memory", "host_memory_total": 1 << 40}]
+
+    def auto_cfg():
+        return Config.from_any({**raw, "zero_optimization": {**raw["zero_optimization"],
+                                                             "offload_optimizer": {"device": "auto"}}})
+
+    acc = StandInAccelerator()
+    for free, fits in ((need, True), (need - 1, False)):
+        acc.free_memory = free
+        cfg = Config.from_any(raw)
+        if fits:
+            check_model_states_fit(cfg, params, lambda p: 1, stage, "standin", "none", 0, accelerator=acc)
+            _check_fits(net, cfg, one, nodes(free))
+        else:
+            with pytest.raises(ConfigError, match="device memory"):
+                check_model_states_fit(cfg, params, lambda p: 1, stage, "standin", "none", 0, accelerator=acc)
+            with pytest.raises(ConfigError, match="cannot fit"):
+                _check_fits(net, cfg, one, nodes(free))
+        expected = "none" if fits else "cpu"
+        assert resolve_offload_device(auto_cfg(), params, stage, lambda p: 1, acc) == expected
+        driver = auto_cfg()
+        resolve_auto(net, driver, one, nodes(free))
+        assert driver.zero_optimization.offload_optimizer.device == expected
+
+
+def test_nvme_counts_the_swap_pool_once():
+    """With the optimizer on NVMe the plan check counts the model states left in memory plus the swap pool,
+    which rank_memory keeps apart (``swap_pool``)."""
+    raw = memory_cases.config(3)
+    raw["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 4}
+    cfg = Config.from_any(raw)
+    m = rank_memory(_meta_net(), cfg, WORLD)
+    assert m.master == 0 and m.optimizer == 0 and m.swap_pool > 0
+    assert model_state_bytes(_meta_net(), cfg, WORLD)[0] == m.model_states() + m.swap_pool
