@@ -141,16 +141,20 @@ def warm_runtime(kind: str) -> None:
 
 
 def design_model_state_bytes(spec: dict, a, world: int, engine=None) -> float:
-    """Steady-state model states per rank: design.md's table (stage 0 16, stage 1 8 + 16/W, stage 2
-    4 + 16/W, stage 3 16/W + the persistent parameters whole, bytes per parameter); DDP 16, FSDP2 16/W."""
+    """Steady-state model states per rank: for rayzero ``rayzero.memory.rank_memory``'s ``model_states()``
+    for the row's config (design.md's table: stage 0 16, stage 1 8 + 16/W, stage 2 4 + 16/W, stage 3 16/W
+    + the persistent parameters whole, bytes per parameter); DDP 16, FSDP2 16/W."""
     n = param_count(a.dim, a.hidden, a.blocks)
     w = world
     if spec["kind"] == "rayzero":
-        s = spec["stage"]
-        if s == 3:
-            persistent = sum(p.numel() for p in engine.gatherer.persistent) if engine is not None else 0
-            return 16 * n / w + 4 * persistent
-        return {0: 16.0, 1: 8 + 16 / w, 2: 4 + 16 / w}[s] * n
+        from rayzero.config import Config
+        from rayzero.memory import rank_memory
+
+        cfg = zero_config(a, world, spec["stage"], spec.get("defaults", False))
+        cfg["zero_optimization"].update(spec.get("zero") or {})
+        with torch.device("meta"):
+            model = build_model(a.dim, a.hidden, a.blocks)
+        return float(rank_memory(model, Config.from_any(cfg), world).model_states())
     if spec["kind"] == "fsdp2":
         return 16 * n / w
     return 16.0 * n  # DDP, compute-only
