@@ -348,7 +348,8 @@ def states_bytes(shares: list[Share], cfg, offload: str | None = None, where: st
             need += w * s.elements if on_device else 0
             continue
         chunks.append(math.ceil(s.elements / (s.ranks if stage else 1)))
-        d, h = device_and_host_bytes_per_param(stage, s.ranks, mixed, opt, offload, offload_param=z.offload_param.device)
+        d, h = device_and_host_bytes_per_param(stage, s.ranks, mixed, opt, offload,
+                                               offload_param=z.offload_param.device)
         need += ((d if on_device else 0) + (h if on_host else 0)) * s.elements
         if stage == 3 and s.elements <= threshold and on_device:  # persistent: whole between steps too
             need += w * s.elements
