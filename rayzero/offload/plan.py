@@ -62,16 +62,25 @@ def swap_bytes_per_rank(
     return total
 
 
+def pool_slots(buffer_count: int, optimizer_bytes: int = 8) -> int:
+    """Sub-groups the NVMe optimizer swap pool holds at once.  ``offload_optimizer.buffer_count`` counts
+    tensor buffers, as DeepSpeed's does ("at least the number of states maintained per parameter"); a slot
+    holds one sub-group's master and each of its fp32 optimizer state tensors (AdamW: 3 buffers), and there
+    are at least two slots (one sub-group stepped while the next is read).  DeepSpeed's default of 4 makes 2
+    slots with AdamW."""
+    tensors = 1 + math.ceil(optimizer_bytes / FP32)
+    return max(2, buffer_count // tensors)
+
+
 def swap_pool_bytes(partition_elements: int, sub_group_elements: int, buffer_count: int,
                     optimizer_bytes: int = 8) -> int:
-    """Host memory of the NVMe optimizer swap pool of one rank: up to ``max(2, buffer_count)`` slots (the
-    sub-group being stepped, the one being written back, and the ones read ahead), each holding one
-    sub-group's fp32 master and fp32 optimizer state tensors, but never more slots than sub-groups.  A
-    constant per rank, on top of ``ram_bytes_per_param``."""
+    """Host memory of the NVMe optimizer swap pool of one rank: ``pool_slots`` slots (never more than there
+    are sub-groups), each holding one sub-group's fp32 master and fp32 optimizer state tensors.  A constant
+    per rank, on top of ``ram_bytes_per_param``."""
     if partition_elements <= 0:
         return 0
     sub = max(1, min(sub_group_elements, partition_elements))
-    slots = min(max(2, buffer_count), -(-partition_elements // sub))
+    slots = min(pool_slots(buffer_count, optimizer_bytes), -(-partition_elements // sub))
     tensors = 1 + math.ceil(optimizer_bytes / FP32)
     return slots * sub * tensors * FP32
 
