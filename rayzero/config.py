@@ -119,15 +119,17 @@ class OffloadParamConfig(_Section):
     device: str = "none"
     nvme_path: str | None = None
     pin_memory: bool = False
-    buffer_count: int = 5
-    buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
+    # left out: derived by rayzero.offload.params.read_pool_shape (two buffers of the largest gather unit's
+    # shards) and cache_elements (none)
+    buffer_count: int | None = None
+    buffer_size: int | None = None
+    max_in_cpu: int | None = None
 
     def _validate(self) -> None:
         self._check("device", self.device in OFFLOAD_DEVICES, "must be 'none', 'cpu' or 'nvme'")
-        self._check("buffer_count", self.buffer_count >= 1, "must be >= 1")
-        self._check("buffer_size", self.buffer_size > 0, "must be > 0 elements")
-        self._check("max_in_cpu", self.max_in_cpu >= 0, "must be >= 0 elements")
+        self._check("buffer_count", self.buffer_count is None or self.buffer_count >= 1, "must be >= 1")
+        self._check("buffer_size", self.buffer_size is None or self.buffer_size > 0, "must be > 0 elements")
+        self._check("max_in_cpu", self.max_in_cpu is None or self.max_in_cpu >= 0, "must be >= 0 elements")
         if self.device == "nvme" and not self.nvme_path:
             raise ConfigError(
                 "config key 'zero_optimization.offload_param.device' is 'nvme' but 'nvme_path' is not set; "

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from rayzero.accelerator import bind_rank_device, get_accelerator
-from rayzero.accelerator.host_allocator import keep_freed_memory
+from rayzero.accelerator.host_allocator import configure_host_allocator
 from rayzero.checkpoint.engine_io import CheckpointIO
 from rayzero.checkpoint.engine_io import load as checkpoint_load
 from rayzero.checkpoint.format import CheckpointError
@@ -68,9 +68,7 @@ class Engine:
         self.config = Config.from_any(config if config is not None else {})
         cfg = self.config
         self.accelerator = get_accelerator()
-        # on CPU, freed step buffers stay in the heap for the next step instead of faulting in afresh
-        # (rayzero/accelerator/host_allocator.py says when this is left alone)
-        self.host_allocator = keep_freed_memory() if self.accelerator.name == "cpu" else None
+        self.host_allocator: dict | None = None  # set once the offload device is known (_build)
         bind_rank_device(self.accelerator)  # before the process group exists (rayzero/accelerator)
         self.rank, self.world_size, self._created_process_group = init_distributed()
         self.topology = self._plan_topology(cfg, self.world_size)
@@ -129,6 +127,10 @@ class Engine:
         world_of = lambda p: self.parallel.domain_of(p).comm.world if self.stage else 1
         self.offload_device = resolve_offload_device(cfg, params, self.stage, world_of, self.accelerator)
         offload = self.offload_device != "none"
+        # freed step buffers kept for reuse on a CPU device; given back where offload is on, whose point is to
+        # hold less (rayzero/accelerator/host_allocator.py, which also says when it is left alone)
+        self.host_allocator = configure_host_allocator(offload or z.offload_param.device != "none",
+                                                       self.accelerator.name)
         # stages 0-2 keep the model's parameters (already allocated); stage 3 frees them after set-up
         kept = 0 if self.stage == 3 else sum(p.numel() * p.element_size() for p in params
                                              if not hasattr(p, "_rayzero_shard"))
@@ -233,8 +235,11 @@ class Engine:
         if "nvme" in (self.offload_device, z.offload_param.device):
             from rayzero.offload.rank_swap import RankSwap
 
+            unit_shards = max(([self.partitions.entry_of[p].chunk for p in u.params]
+                               for u in (self.gatherer.units if self.gatherer is not None else [])),
+                              key=sum, default=None)
             self._rank_swap = RankSwap(cfg, self.rank, self.partitions, self.optimizer, self.compute_dtype, device,
-                                       optimizer_nvme=self.offload_device == "nvme")
+                                       optimizer_nvme=self.offload_device == "nvme", unit_shards=unit_shards)
             self.swap = self._rank_swap.optimizer_swap
         elif z.offload_param.device == "cpu":
             # stage 3's weight partitions in host memory, in the compute dtype: gathers read them from there

@@ -245,16 +245,25 @@ def swap_bytes_per_rank(
     return total
 
 
+def pool_slots(buffer_count: int, optimizer_bytes: int = 8) -> int:
+    """Sub-groups the NVMe optimizer swap pool holds at once.  ``offload_optimizer.buffer_count`` counts
+    tensor buffers, as DeepSpeed's does ("at least the number of states maintained per parameter"); a slot
+    holds one sub-group's master and each of its fp32 optimizer state tensors (AdamW: 3 buffers), and there
+    are at least two slots (one sub-group stepped while the next is read).  DeepSpeed's default of 4 makes 2
+    slots with AdamW."""
+    tensors = 1 + math.ceil(optimizer_bytes / FP32)
+    return max(2, buffer_count // tensors)
+
+
 def swap_pool_bytes(partition_elements: int, sub_group_elements: int, buffer_count: int,
                     optimizer_bytes: int = 8) -> int:
-    """Host memory of the NVMe optimizer swap pool of one rank: up to ``max(2, buffer_count)`` slots (the
-    sub-group being stepped, the one being written back, and the ones read ahead), each holding one
-    sub-group's fp32 master and fp32 optimizer state tensors, but never more slots than sub-groups.  A
-    constant per rank, on top of ``ram_bytes_per_param``."""
+    """Host memory of the NVMe optimizer swap pool of one rank: ``pool_slots`` slots (never more than there
+    are sub-groups), each holding one sub-group's fp32 master and fp32 optimizer state tensors.  A constant
+    per rank, on top of ``ram_bytes_per_param``."""
     if partition_elements <= 0:
         return 0
     sub = max(1, min(sub_group_elements, partition_elements))
-    slots = min(max(2, buffer_count), -(-partition_elements // sub))
+    slots = min(pool_slots(buffer_count, optimizer_bytes), -(-partition_elements // sub))
     tensors = 1 + math.ceil(optimizer_bytes / FP32)
     return slots * sub * tensors * FP32
 
@@ -404,15 +413,33 @@ class RankMemory:
     device: str  # "cpu" or the accelerator kind
     reduce_bucket_size: int = 0  # the bucket sizes counted (the config's, or derived as the engine derives them)
     allgather_bucket_size: int = 0
+    # the full-size gradient autograd makes for the largest parameter, alive until the reducer has moved it
+    # into a bucket (stages 2-3, and 1 under offload; stages 0-1 accumulate into their gradient buffers)
+    grads_in_flight: int = 0
+    # weights the ranks of one host keep once for all of them (shared-memory transport, ``local_ranks`` > 1),
+    # whole: each rank maps all of it, so all of it shows in each rank's RSS (VmHWM), but the host holds it
+    # once, and a cgroup bills each page to the rank that touched it first (:meth:`charged`)
+    host_shared: int = 0
+    # the shared-memory transport's segment of the data-parallel group (comm/shm.py: SLOTS chunks per rank of
+    # the host), mapped whole by each of them like ``host_shared``
+    transport: int = 0
+    local_ranks: int = 1
 
     def model_states(self) -> int:
         return self.weights + self.master + self.grads + self.optimizer
 
     def transient(self) -> int:
-        return self.gathered + self.buckets + self.activations
+        return self.gathered + self.buckets + self.activations + self.grads_in_flight
 
     def total(self) -> int:
-        return self.model_states() + self.swap_pool + self.transient()
+        """Everything the rank maps: what its peak RSS (VmHWM) is compared with."""
+        return self.model_states() + self.swap_pool + self.transient() + self.host_shared + self.transport
+
+    def charged(self) -> int:
+        """The rank's share of its host's memory: the host-shared weights once per host.  What a memory limit
+        on the ranks of a host together is checked against."""
+        shared = self.host_shared + self.transport
+        return self.total() - shared + shared // max(1, self.local_ranks)
 
 
 def _backend_for(device: str, dp: int) -> str:
@@ -463,7 +490,7 @@ def gathered_elements(units: list[int], prefetch: bool, prefetch_elements: int |
 
 
 def rank_memory(model_or_params: Any, cfg, world: int, *, offload: str | None = None, activations: int = 0,
-                device: str = "cpu", backend: str | None = None) -> RankMemory:
+                device: str = "cpu", backend: str | None = None, local_ranks: int = 1) -> RankMemory:
     """One of ``world`` ranks' memory for ``cfg``: the model states (``state_bytes_per_param`` per trainable
     parameter, docs/design.md "Memory per rank"), stage 3's gathered parameters, the buckets in flight, the
     NVMe swap pools, and ``activations`` (the caller's figure).
@@ -476,9 +503,12 @@ def rank_memory(model_or_params: Any, cfg, world: int, *, offload: str | None = 
     on one rank).  Bucket sizes the config leaves out are derived with ``zero/buckets.derive_bucket_sizes``,
     as the engine derives them.
 
-    Ranks that share a host through the shared-memory transport hold less than this of the model
-    parameters at stages 1-2 and keep a copy of stage 3's partition in the compute dtype for gathers to read
-    (docs/design.md); this counts ranks that do not (``RAYZERO_SHM=0``, or one rank per host).
+    ``local_ranks``: ranks of one host that share memory through the shared-memory transport (1: none, as
+    with ``RAYZERO_SHM=0`` or one rank per host).  With more, on a CPU device, stages 1-2 keep one copy of the
+    model's weights per host, and stage 3 keeps one where ``stage3_share_weights`` (or its default: always in
+    16-bit, in fp32 where the rank's part is no more than what gathers hold at once) says so, and then
+    gathers nothing; that copy is ``host_shared``.  Not modelled: stages 1-2 in fp32 make a large parameter's
+    master the rank's row of that copy (the model counts the master separately, a little more than is held).
     """
     from rayzero.zero.buckets import derive_bucket_sizes
     from rayzero.zero.reducer import GradientReducer
@@ -526,12 +556,35 @@ def rank_memory(model_or_params: Any, cfg, world: int, *, offload: str | None = 
 
     # stage 3's gathers
     gathered = 0
+    units: list[int] = []
+    managed: dict = {}
+    elements: dict = {}
     if stage == 3:
         elements = {p: s.elements for p, s in zip(params, shares)}
         managed = {p: n for p, n in padded.items() if elements[p] > threshold}
         units = gather_units(model, managed, z.stage3_gather_unit, lambda p: int(elements.get(p, p.numel())))
         prefetch = z.overlap_comm and z.stage3_prefetch_bucket_size != 0
         gathered = gathered_elements(units, prefetch, z.stage3_prefetch_bucket_size) * w
+
+    # weights one copy per host holds for its ranks (zero/publish.py, zero/stage3.py)
+    host_shared = transport = 0
+    if local_ranks > 1 and stage:
+        from rayzero.comm.shm import CHUNK_BYTES, SLOTS
+
+        transport = SLOTS * CHUNK_BYTES * local_ranks
+    shares_host = local_ranks > 1 and device == "cpu" and offload == "none" and z.offload_param.device == "none"
+    if shares_host and stage in (1, 2):
+        whole = sum(s.elements for s in shares if s.trainable)
+        weights -= w * whole
+        host_shared = w * whole
+    elif shares_host and stage == 3 and managed:
+        budget = 2 * max(units) if z.stage3_prefetch_bucket_size is None else z.stage3_prefetch_bucket_size
+        mine = sum(-(-n // (world // cfg.tensor_parallel.autotp_size)) for n in managed.values())
+        share = (z.stage3_share_weights if z.stage3_share_weights is not None
+                 else mixed or mine <= max(units) + budget)
+        if share:
+            gathered = 0  # the units' parameters are views of the host's copy: nothing is gathered
+            host_shared = w * sum(elements[p] for p in managed)
 
     # buckets, sized as the engine sizes them
     dp = max(1, world // cfg.tensor_parallel.autotp_size)
@@ -547,12 +600,24 @@ def rank_memory(model_or_params: Any, cfg, world: int, *, offload: str | None = 
 
     swap = _pool_of_chunks(cfg, chunks) if offload == "nvme" else 0
     if stage == 3 and z.offload_param.device == "nvme":
+        from rayzero.offload.params import cache_elements, read_pool_shape
+
         partition = sum(chunks)
-        pool = min(z.offload_param.buffer_count * z.offload_param.buffer_size, partition)
-        swap += (pool + min(z.offload_param.max_in_cpu, partition)) * w
+        unit_shards = [max(units, default=0) // max(1, world // cfg.tensor_parallel.autotp_size)]
+        count, size = read_pool_shape(z.offload_param.buffer_count, z.offload_param.buffer_size, unit_shards,
+                                      cfg.compute_dtype)
+        pool = count * min(max(size, max(chunks, default=0)), partition)
+        swap += (pool + min(cache_elements(z.offload_param.max_in_cpu), partition)) * w
+
+    # autograd's gradient of the largest parameter, before the reducer moves it into a bucket
+    in_flight = 0
+    if chunks and (stage >= 2 or (stage == 1 and offload != "none")):
+        in_flight = w * max(s.elements for s in shares if s.trainable)
     return RankMemory(
         weights=int(round(weights)), master=int(round(master)), grads=int(round(grads)),
         optimizer=int(round(optim)), gathered=int(gathered), buckets=int(buckets), swap_pool=int(swap),
         activations=int(activations), device=device,
         reduce_bucket_size=plan.reduce_bucket_size, allgather_bucket_size=plan.allgather_bucket_size,
+        grads_in_flight=int(in_flight), host_shared=int(host_shared), transport=int(transport),
+        local_ranks=max(1, local_ranks),
     )

@@ -109,3 +109,47 @@ def engine_tensors(rank: int, world: int, cfg: dict) -> dict:
                    gathered_peak=peak[0], max_ahead=gatherer.max_ahead)
     engine.destroy()
     return out
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def peak_rss_over_baseline(rank: int, world: int, zero: dict, dim: int, hidden: int, blocks: int) -> dict:
+    """Peak RSS (VmHWM) of one rank over its own warm baseline, set-up included: the model built under
+    ``zero_init``, ``initialize``, and three steps, with the config's defaults besides ``zero``; in the
+    environment a user has (the test clears glibc's MALLOC_* variables)."""
+    import ctypes
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    warm = torch.nn.Linear(4, 4)  # what every run pays before its model exists: autograd and fused AdamW
+    opt = torch.optim.AdamW(warm.parameters(), fused=True)
+    warm(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    del warm, opt
+    ctypes.CDLL(None).malloc_trim(0)
+    dist.barrier()
+    baseline = _status_mib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM starts again from the current RSS
+    cfg = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4,
+           "zero_optimization": {"stage": 3, **zero}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with rayzero.zero_init():
+        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.GELU(),
+                                                          torch.nn.Linear(hidden, dim)) for _ in range(blocks)])
+    engine = rayzero.initialize(model, cfg)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(4, dim, generator=g)
+        loss = F.mse_loss(engine(x), x)
+        engine.backward(loss)
+        engine.step()
+    out = {"peak_mib": _status_mib("VmHWM") - baseline, "policy": (engine.host_allocator or {}).get("policy")}
+    engine.destroy()
+    return out

@@ -73,6 +73,12 @@ def _unit_cycles(rank: int, world: int, keep: str) -> dict:
     from rayzero.accelerator.host_allocator import M_MMAP_THRESHOLD, keep_freed_memory
 
     applied = keep_freed_memory()
+    if keep == "offload":  # an engine with the optimizer offloaded, built after the kept setting was applied
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+        engine = rayzero.initialize(model, {"train_batch_size": 2, "zero_optimization": {
+            "stage": 2, "offload_optimizer": {"device": "cpu"}}})
+        applied = engine.host_allocator
+        engine.destroy()
     if keep == "0":
         assert ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 << 10) == 1
     for cycle in range(12):
@@ -97,6 +103,14 @@ def test_kept_memory_ends_the_page_faults_of_freed_units():
     assert off["faults"] > 4000, off
     assert kept["returned_bytes"] < 4 << 20, kept
     assert kept["faults"] < 1000, kept
+
+
+def test_offload_gives_freed_memory_back():
+    """With the optimizer offloaded the engine switches the process to giving buffers of 1 MiB or more back
+    to the OS, even after the kept setting was applied: the first cycle's 20 MiB leaves at its free."""
+    released, = run_distributed(_unit_cycles, 1, "offload", init_pg=False)
+    assert released["applied"]["policy"] == "release" and released["applied"]["mmap_threshold"] == 1 << 20
+    assert released["returned_bytes"] > 16 << 20, released
 
 
 @pytest.mark.parametrize("shm", ["1", "0"])

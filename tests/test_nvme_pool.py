@@ -14,7 +14,7 @@ from offload_cases import _train, zero_section
 from zero_cases import base_config, batches, make_model
 
 SUB_GROUP = 120  # 5 sub-groups per rank at world 2 (one parameter is larger than a sub-group)
-BUFFERS = 4  # fewer slots than sub-groups: a step cannot keep them all
+BUFFERS = 12  # 4 slots of 3 tensor buffers (AdamW): fewer slots than sub-groups, a step cannot keep them all
 
 
 def _config(world: int, device: str, swap_root: str, **zero) -> dict:

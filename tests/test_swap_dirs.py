@@ -230,7 +230,8 @@ def test_auto_offload_is_decided_on_the_node_reports():
 
     two = ClusterConfig.from_any({"workers": (2, 4)})
     # stage 3 on 2 workers: 8 GiB of model state each in memory; with the optimizer on NVMe 4 GiB, plus a
-    # swap pool of 4 sub-groups of 2**25 elements (one layer's partition) x 12 bytes (master, 2 moments)
+    # swap pool of 2 sub-groups (buffer_count 4 tensor buffers, 3 per sub-group, at least 2) of 2**25 elements
+    # (one layer's partition) x 12 bytes (master, 2 moments)
     cfg = _cfg("auto")
     note = resolve_auto(_gib_model(), cfg, two, _nodes(10, 10))
     assert cfg.zero_optimization.offload_optimizer.device == "none"
@@ -240,7 +241,7 @@ def test_auto_offload_is_decided_on_the_node_reports():
     cfg = _cfg("auto")
     note = resolve_auto(_gib_model(), cfg, two, _nodes(6, 6))
     assert cfg.zero_optimization.offload_optimizer.device == "nvme"
-    assert "auto -> nvme" in note and "which do not fit; with the optimizer on NVMe they need 5.50 GiB" in note
+    assert "auto -> nvme" in note and "which do not fit; with the optimizer on NVMe they need 4.75 GiB" in note
     _check_fits(_gib_model(), cfg, two, _nodes(6, 6))  # fits only because of NVMe, and passes
     with pytest.raises(rayzero.ConfigError, match="or offload the optimizer to NVMe"):
         _check_fits(_gib_model(), _cfg("none"), two, _nodes(6, 6))
@@ -303,10 +304,12 @@ def test_swap_pool_bytes_counts_the_slots_a_step_keeps_in_memory():
     from rayzero.memory import swap_pool_bytes
 
     # 4 slots of a 1e6-element sub-group, each with the fp32 master and AdamW's two moments
-    assert swap_pool_bytes(16_000_000, 1_000_000, 4, 8) == 4 * 1_000_000 * 3 * 4
-    assert swap_pool_bytes(16_000_000, 1_000_000, 6, 12) == 6 * 1_000_000 * 4 * 4  # amsgrad: a third state
+    # buffer_count counts tensor buffers (DeepSpeed's meaning): a slot takes the master and each state tensor
+    assert swap_pool_bytes(16_000_000, 1_000_000, 4, 8) == 2 * 1_000_000 * 3 * 4  # 4 // 3 -> at least 2 slots
+    assert swap_pool_bytes(16_000_000, 1_000_000, 12, 8) == 4 * 1_000_000 * 3 * 4
+    assert swap_pool_bytes(16_000_000, 1_000_000, 24, 12) == 6 * 1_000_000 * 4 * 4  # amsgrad: a third state
     assert swap_pool_bytes(16_000_000, 1_000_000, 1, 0) == 2 * 1_000_000 * 4  # never fewer than 2 slots (SGD)
-    assert swap_pool_bytes(2_500_000, 1_000_000, 8, 8) == 3 * 1_000_000 * 12  # no more slots than sub-groups
+    assert swap_pool_bytes(2_500_000, 1_000_000, 12, 8) == 3 * 1_000_000 * 12  # no more slots than sub-groups
     assert swap_pool_bytes(500, 1_000_000, 4, 8) == 500 * 12  # one sub-group smaller than sub_group_size
     assert swap_pool_bytes(0, 1_000_000, 4, 8) == 0
 
@@ -320,11 +323,11 @@ def test_nvme_start_up_check_counts_the_swap_pool():
     from rayzero.memory import pool_bytes, sub_group_size, swap_pool_bytes
 
     cfg = Config.from_any({"zero_optimization": {"stage": 3, "offload_optimizer": {
-        "device": "nvme", "nvme_path": "/nvme", "buffer_count": 5}}})
+        "device": "nvme", "nvme_path": "/nvme", "buffer_count": 15}}})
     params = [torch.empty(4000, 1000, device="meta") for _ in range(8)]  # 32M elements, 8M per rank of 4
     sub = sub_group_size(cfg, 8_000_000, nvme=True)
     assert sub == 1_000_000  # 1/16 of the partition, at least 1e6
-    # a parameter's partition (1M) is one sub-group: 5 slots of 1M elements x 12 bytes
-    assert pool_bytes(cfg, params, lambda p: 4) == swap_pool_bytes(8_000_000, 1_000_000, 5, 8) == 5 * 12_000_000
+    # a parameter's partition (1M) is one sub-group: 15 buffers make 5 slots of 1M elements x 12 bytes
+    assert pool_bytes(cfg, params, lambda p: 4) == swap_pool_bytes(8_000_000, 1_000_000, 15, 8) == 5 * 12_000_000
     big = [torch.empty(32_000_000, device="meta")]  # one parameter: its whole partition is one sub-group
     assert pool_bytes(cfg, big, lambda p: 4) == 8_000_000 * 12

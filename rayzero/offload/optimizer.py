@@ -57,12 +57,12 @@ class _Slot:
 class NvmeOptimizerSwap:
     """Keeps every sub-group's master and optimizer state in the swap store between steps."""
 
-    def __init__(self, partitions: Partitions, optimizer: torch.optim.Optimizer, store, buffer_count: int,
+    def __init__(self, partitions: Partitions, optimizer: torch.optim.Optimizer, store, slots: int,
                  compute_dtype: torch.dtype, weights_device: torch.device, keep_weights: bool = True):
         self.partitions = partitions
         self.optimizer = optimizer
         self.store = store
-        self.slots = [_Slot() for _ in range(max(2, buffer_count))]
+        self.slots = [_Slot() for _ in range(max(2, slots))]  # memory.pool_slots
         self.slot_of: dict[int, _Slot] = {}
         self.state_names: dict[int, list[str]] = {}  # per group: the state tensors it keeps on disk
         self._empty = torch.empty(0, dtype=torch.float32)
@@ -104,7 +104,8 @@ class NvmeOptimizerSwap:
         and one that does not hold a sub-group in ``soon`` (still to be stepped this step)."""
         free = [s for s in self.slots if s.owner is None]
         if not free:
-            raise RuntimeError("every swap buffer holds a sub-group in use; raise offload_optimizer.buffer_count")
+            raise RuntimeError("every swap buffer holds a sub-group in use; raise offload_optimizer.buffer_count "
+                               "(tensor buffers: a slot takes the master and each optimizer state tensor)")
         spare = lambda s: s.holds is None or s.holds not in soon
         ready = [s for s in free if s.buffers and all(f.done() for f in s.writes)]
         empty = [s for s in free if not s.buffers]

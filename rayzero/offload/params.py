@@ -28,6 +28,29 @@ from rayzero.offload.swap_store import ALIGNMENT, aligned_empty
 from rayzero.zero.layout import ParamEntry
 
 
+def cache_elements(max_in_cpu: int | None) -> int:
+    """Elements of shards kept cached in memory: ``offload_param.max_in_cpu``, or 0 when the key is left
+    out.  The shards are on NVMe so that the rank does not hold them; a cache as large as DeepSpeed's
+    default (1e9 elements) keeps every shard of most models in memory as well, and a rank with parameters
+    and optimizer on NVMe then held more than one without offload.  With 0 only the shard just taken stays
+    until the next one is; the reads ahead (``buffer_count`` buffers) hide the disk."""
+    return 0 if max_in_cpu is None else int(max_in_cpu)
+
+
+def read_pool_shape(buffer_count: int | None, buffer_size: int | None, unit_shards: list[int],
+                    dtype: torch.dtype) -> tuple[int, int]:
+    """``(buffer_count, buffer_size)`` of the read pool: ``offload_param``'s keys, each derived when left out.
+    A gather reads one unit's shards into one buffer, so a buffer is left out as the largest unit's shards
+    (``unit_shards``: this rank's shard elements of each parameter of that unit, each placed on an aligned
+    boundary), and two of them serve the unit in use and the one read ahead.  DeepSpeed's defaults (5 x 1e8
+    elements) would make the pool larger than most ranks' whole weight partition."""
+    per_block = ALIGNMENT // dtype.itemsize
+    unit = sum(-(-n // per_block) * per_block for n in unit_shards)
+    count = 2 if buffer_count is None else int(buffer_count)
+    size = max(1, unit) if buffer_size is None else int(buffer_size)
+    return count, size
+
+
 class _Buffer:
     """One aligned read buffer: shards are placed from ``used`` on; ``users`` of them are not taken yet."""
 

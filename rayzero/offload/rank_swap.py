@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from rayzero.memory import optimizer_state_bytes
+from rayzero.memory import optimizer_state_bytes, pool_slots
 from rayzero.offload.optimizer import NvmeOptimizerSwap
-from rayzero.offload.params import NvmeParamSwap
+from rayzero.offload.params import NvmeParamSwap, cache_elements, read_pool_shape
 from rayzero.offload.swap_dirs import acquire_swap_dir
 from rayzero.offload.swap_store import ALIGNMENT, SwapStore
 from rayzero.zero.partition import Partitions
@@ -19,7 +19,10 @@ from rayzero.zero.partition import Partitions
 
 class RankSwap:
     def __init__(self, cfg, rank: int, partitions: Partitions, optimizer: torch.optim.Optimizer,
-                 compute_dtype: torch.dtype, device: torch.device, optimizer_nvme: bool):
+                 compute_dtype: torch.dtype, device: torch.device, optimizer_nvme: bool,
+                 unit_shards: list[int] | None = None):
+        """``unit_shards``: this rank's shard elements of each parameter of the largest stage-3 gather unit
+        (the read pool's buffers are sized by it when offload_param leaves buffer_size out)."""
         z, aio = cfg.zero_optimization, cfg.aio
         params_nvme = z.offload_param.device == "nvme"
         path = z.offload_optimizer.nvme_path if optimizer_nvme else z.offload_param.nvme_path
@@ -32,14 +35,18 @@ class RankSwap:
             self.store.check_free_space(
                 swap_bytes(partitions, optimizer_state_bytes(cfg), compute_dtype, optimizer_nvme, params_nvme))
             if params_nvme:
+                largest = max((e.chunk for g in partitions.groups for e in g.layout.entries), default=0)
+                count, size = read_pool_shape(z.offload_param.buffer_count, z.offload_param.buffer_size,
+                                              unit_shards or [largest], compute_dtype)
                 partitions.param_swap = NvmeParamSwap(
-                    self.store, compute_dtype, z.offload_param.max_in_cpu, buffer_count=z.offload_param.buffer_count,
-                    buffer_size=z.offload_param.buffer_size,
-                    largest_shard=max((e.chunk for g in partitions.groups for e in g.layout.entries), default=0))
+                    self.store, compute_dtype, cache_elements(z.offload_param.max_in_cpu), buffer_count=count,
+                    buffer_size=max(size, largest) if z.offload_param.buffer_size is None else size,
+                    largest_shard=largest)
                 partitions.refresh_weights()  # every shard written once from the masters
             if optimizer_nvme:
                 self.optimizer_swap = NvmeOptimizerSwap(
-                    partitions, optimizer, self.store, z.offload_optimizer.buffer_count, compute_dtype,
+                    partitions, optimizer, self.store,
+                    pool_slots(z.offload_optimizer.buffer_count, optimizer_state_bytes(cfg)), compute_dtype,
                     torch.device("cpu") if z.offload_param.device == "cpu" else device,
                     keep_weights=not params_nvme,
                 )

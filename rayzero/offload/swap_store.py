@@ -20,6 +20,7 @@ import ctypes
 import errno
 import hashlib
 import logging
+import mmap
 import os
 import threading
 import time
@@ -65,16 +66,20 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor whose data starts on an ``ALIGNMENT`` boundary and whose backing
     memory extends to the next ``ALIGNMENT`` multiple, so the store does O_DIRECT I/O straight from/into it.
 
-    The tensor is a view of a larger uint8 tensor, which it keeps alive. The padding bytes are zeroed.
+    The memory is an anonymous mapping of its own (page-aligned and zero-filled by the kernel), not a block of
+    the malloc heap: swap buffers live for many steps, and a long-lived block in the heap keeps the freed
+    step buffers around it from ever going back to the OS (the heap can only shrink from its top).  Freeing
+    the tensor unmaps it.
     """
     if numel < 0:
         raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
     nbytes = numel * dtype.itemsize
     padded = _round_up(nbytes)
-    raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % ALIGNMENT
-    buf = raw[offset:offset + padded]
-    buf[nbytes:].zero_()  # so file padding never holds stale heap bytes
+    if padded == 0:
+        return torch.empty(0, dtype=dtype)
+    region = mmap.mmap(-1, padded, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = torch.frombuffer(region, dtype=torch.uint8)  # keeps ``region`` alive while any view of it lives
+    assert buf.data_ptr() % ALIGNMENT == 0, "anonymous mappings are page-aligned"
     return buf[:nbytes].view(dtype)
 
 
