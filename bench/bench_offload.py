@@ -13,9 +13,9 @@ in one sub-group, DeepSpeed's default; a smaller one splits it, so the next sub-
 one steps).  Peers: torch DDP, FSDP2 and FSDP2 with
 ``CPUOffloadPolicy``; DeepSpeed ZeRO-Offload when ``import deepspeed`` works.
 
-Every system runs in its own fresh spawn of 2 ranks (gloo on 127.0.0.1, one torch thread per rank), with
-``MALLOC_MMAP_THRESHOLD_=65536`` (glibc returns large frees to the OS, so RSS follows live tensors;
-``--glibc-default`` turns it off), a per-rank baseline taken once the runtime is warm and before the model
+Every system runs in its own fresh spawn of 2 ranks (gloo on 127.0.0.1, one torch thread per rank), in the
+environment a user has (glibc as it comes; ``--live-tensors`` sets ``MALLOC_MMAP_THRESHOLD_=65536`` so that RSS
+follows the live tensors instead), a per-rank baseline taken once the runtime is warm and before the model
 exists (bench_zero's ``--memory`` method), and VmHWM reset after the warm-up steps.  The systems take turns
 over ``--rounds`` rounds; the tables give the median over rounds of the slowest rank's median step.
 For NVMe rows the bench also reads the swap store's byte counters and times, from outside rayzero (wrapping
@@ -550,7 +550,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: under the system temp dir)")
     p.add_argument("--quick", action="store_true", help="tiny model, 3 steps, 1 round: smoke test (< 60 s)")
     p.add_argument("--only", default=None, help="comma-separated substrings: run only systems whose name matches")
-    p.add_argument("--glibc-default", action="store_true", help="do not set MALLOC_MMAP_THRESHOLD_=65536")
+    p.add_argument("--live-tensors", action="store_true",
+                   help="run the ranks with MALLOC_MMAP_THRESHOLD_=65536 (glibc returns every large free to the OS, "
+                        "so RSS follows the live tensors); by default glibc is left as a user has it")
     p.add_argument("--json", default=None, help="also write every number as JSON")
     p.add_argument("--timeout", type=float, default=None, help="seconds per system before it counts as hung")
     a = p.parse_args(argv)
@@ -604,7 +606,7 @@ def _progress(results: list[dict]) -> None:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if not a.glibc_default:
+    if a.live_tensors:
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by glibc when each rank starts
     base = a.swap_dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
