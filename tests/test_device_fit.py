@@ -11,7 +11,7 @@ import torch
 
 import device_fit_cases
 import rayzero
-from distributed import run_distributed
+from distributed import run_distributed, run_once
 from ray_cases import Regression, cpu_fit, model_factory, mse
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -59,7 +59,7 @@ def test_expert_parallel_over_a_gloo_default_group():
 
     model, ep, tp = "qwen3_moe_noaux", 2, 1
     on_device = run_distributed(device_cases.parallel_on_device, 2, True, model, ep, tp)  # gloo default group
-    on_cpu = run_distributed(device_cases.parallel_on_device, 2, False, model, ep, tp)
+    on_cpu = run_once(device_cases.parallel_on_device, 2, False, model, ep, tp)  # tests/test_device_backend.py's too
     for d, c in zip(on_device, on_cpu):
         torch.testing.assert_close(d["losses"], c["losses"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(d["norms"], c["norms"], rtol=1e-5, atol=1e-6)
@@ -142,13 +142,10 @@ def _weights(run_dir: str, out) -> dict:
     return torch.load(out)
 
 
-def _fit(tmp_path, name: str, stage: int, offload: bool, accelerator: str | None, monkeypatch):
+def _fit(tmp_path, name: str, stage: int, offload: bool, accelerator: str, monkeypatch):
     from rayzero.accelerator import ACCELERATOR_ENV_VAR
 
-    if accelerator:
-        monkeypatch.setenv(ACCELERATOR_ENV_VAR, accelerator)  # fit hands it to its workers
-    else:
-        monkeypatch.delenv(ACCELERATOR_ENV_VAR, raising=False)
+    monkeypatch.setenv(ACCELERATOR_ENV_VAR, accelerator)  # fit hands it to its workers
     result = rayzero.fit(
         model_factory,
         {"workers": 2, "storage": str(tmp_path), "name": name, "checkpoint_every": 0, "progress": False},
