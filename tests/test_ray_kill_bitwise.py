@@ -17,6 +17,7 @@ from ray_cases import CONFIG, KillOnce, Regression, cpu_fit, expected_samples, f
 ray = pytest.importorskip("ray")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 STEPS = 9
+EVERY = 2  # checkpoint_every
 DETERMINISTIC = {**CONFIG, "deterministic": True}
 
 
@@ -30,7 +31,7 @@ def ray_cluster():
 def _fit(tmp_path, name: str, train_step=None) -> rayzero.Result:
     return rayzero.fit(
         model_factory,
-        {"workers": 2, "storage": str(tmp_path), "name": name, "checkpoint_every": 2, "max_failures": 2,
+        {"workers": 2, "storage": str(tmp_path), "name": name, "checkpoint_every": EVERY, "max_failures": 2,
          "progress": False},
         config=DETERMINISTIC,
         data=Regression(),
@@ -69,7 +70,14 @@ def test_sigkill_at_a_random_step_ends_bitwise_like_an_uninterrupted_run(tmp_pat
     marker = str(tmp_path / "killed-once")
     result = _fit(tmp_path, f"kill{seed}", KillOnce(marker, rank=rank, step=step))
     assert os.path.exists(marker), f"rank {rank} was never killed at step {step}"
-    assert result.history[-1]["step"] == STEPS
+    # killed while computing step ``step + 1``; the restart resumed from the latest checkpoint Ray had
+    # committed by then (``step`` rounded down to a checkpoint, or the one before it when the kill beat that
+    # one's report) and redid the steps after it
+    history = [r["step"] for r in result.history]
+    latest = step - step % EVERY
+    assert history[:step] == list(range(1, step + 1)), history
+    resumed = [list(range(start + 1, STEPS + 1)) for start in (latest, max(latest - EVERY, 0))]
+    assert history[step:] in resumed, history
     # the steps that counted (a restart's later records win) read every sample of every step exactly once
     assert final_samples(os.path.join(result.run_dir, "samples.jsonl")) == expected_samples(STEPS, 12, 96)
     # every step's loss, and the final weights, as the run without a kill
