@@ -131,3 +131,4 @@ def loss_reads_per_step(rank: int, world: int) -> dict:
         reads[gas], losses[gas] = counted["reads"], (str(loss.device), loss.cpu())
         engine.destroy()
     return {"reads": reads, "losses": losses, "device": str(acc.device())}
+

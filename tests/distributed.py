@@ -71,3 +71,16 @@ def run_distributed(
     if errors:
         raise AssertionError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+_ONCE: dict = {}
+
+
+def run_once(fn, world: int, *args, **kwargs) -> list:
+    """``run_distributed(fn, world, *args, **kwargs)``, run once per pytest session for the same arguments:
+    for a reference run (the CPU run a device run is compared with) that several tests, in one file or
+    several, compare against.  Callers only read the results."""
+    key = (fn.__module__, fn.__qualname__, world, args, tuple(sorted(kwargs.items())))
+    if key not in _ONCE:
+        _ONCE[key] = run_distributed(fn, world, *args, **kwargs)
+    return _ONCE[key]

@@ -88,6 +88,46 @@ def plain_run(rank, world, steps, micro):
     return losses
 
 
+def cpu_fit(rank: int, world: int, cases: list[dict], steps: int, out_dir: str) -> list[list[float]]:
+    """What ``rayzero.fit`` trains on the CPU, without Ray: for each case (its ``config``, ``name``), the
+    worker's own steps (``rayzero.train.worker.run_step``) over the same samples (the seeded global order,
+    cut by ``micro_batches``), the model built as the worker builds it (``zero_init`` at stage 3, else
+    seeded), the losses read as the worker reads them, and a checkpoint at the end under ``out_dir/name``.
+    tests/test_ray_fit.py checks it against ``rayzero.fit`` bit for bit; other Ray tests take it as their
+    reference run (one pair of processes for every case, instead of a Ray fit each)."""
+    import rayzero
+    from rayzero.train.data import GlobalOrder, micro_batches
+    from rayzero.train.planning import plan_step
+    from rayzero.train.worker import WorkerSpec, run_step
+
+    data = Regression()
+    per_case = []
+    for case in cases:
+        config = case["config"]
+        micro = config.get("train_micro_batch_size_per_gpu")  # as fit's driver offers the sizes up to it
+        plan = plan_step(config["train_batch_size"], world, list(range(1, micro + 1)) if micro else None,
+                         micro_batch=micro)
+        if config.get("zero_optimization", {}).get("stage") == 3:  # as fit's workers build a model from its factory
+            with rayzero.zero_init(seed=0):
+                model = model_factory()
+        else:
+            torch.manual_seed(0)
+            model = model_factory()
+        engine = rayzero.initialize(model, {**config, **plan.config_overrides()})
+        spec = WorkerSpec(model=None, config={}, global_batch=plan.global_batch, max_steps=steps, loss_fn=mse)
+        order = GlobalOrder(len(data), 0, True)
+        losses = []
+        for step in range(steps):
+            ids = micro_batches(order, step, plan.global_batch, world, rank, plan.micro_batch)
+            batches = (torch.utils.data.default_collate([data[i] for i in m]) for m in ids)
+            loss = engine.comm.sum_scalar(run_step(engine, spec, batches, plan.accumulation))
+            losses.append(loss.item() / world)
+        engine.save_checkpoint(os.path.join(out_dir, case["name"]), tag=f"checkpoint_step{steps:08d}")
+        engine.destroy()
+        per_case.append(losses)
+    return per_case
+
+
 class KillOnce:
     """A train_step that SIGKILLs one rank's process at one step, only on the first attempt."""
 

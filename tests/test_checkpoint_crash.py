@@ -21,7 +21,8 @@ import torch
 
 import rayzero
 from crash_cases import AttemptLog
-from ray_cases import CONFIG, Regression, model_factory
+from distributed import run_distributed
+from ray_cases import CONFIG, Regression, cpu_fit, model_factory
 from rayzero.checkpoint.format import MANIFEST
 from rayzero.checkpoint.storage import Storage
 from rayzero.checkpoint.writer import CRASH_ENV, CRASH_ONCE_ENV
@@ -142,8 +143,11 @@ def test_object_store_kill_after_commit_before_report_resumes_from_the_commit(ra
     assert f"crash-runs/crashed/{KILL_TAG}/manifest.json" in keys
     assert not [k for k in keys if k.endswith((".done.json", ".error.json", ".partial", ".rayzero-incomplete"))]
 
-    reference = _fit(uri, "reference", str(tmp_path / "reference.jsonl"))  # uninterrupted (the hook fired)
-    got, want = _manifest(crashed.checkpoint), _manifest(reference.checkpoint)
+    # uninterrupted: the worker's own steps without Ray (ray_cases.cpu_fit, which tests/test_ray_fit.py checks
+    # against rayzero.fit bit for bit)
+    reference = str(tmp_path / "reference")
+    run_distributed(cpu_fit, 2, [{"name": "run", "config": {**CONFIG, "deterministic": True}}], STEPS, reference)
+    got, want = _manifest(crashed.checkpoint), _manifest(os.path.join(reference, "run", f"checkpoint_step{STEPS:08d}"))
     assert got["global_steps"] == want["global_steps"] == STEPS
     # deterministic run: the fragment files (fp32 masters, optimizer state, buffers) are bitwise the same
     assert [(f["file"], f["size"], f["xxh3"]) for f in got["files"]] == \

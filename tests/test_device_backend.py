@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import device_cases
-from distributed import run_distributed
+from distributed import run_distributed, run_once
 
 
 def test_the_standin_backend_refuses_host_tensors():
@@ -44,7 +44,8 @@ def test_expert_and_tensor_parallel_train_on_the_device_as_on_the_cpu(model, ep,
     AutoTP 2 on a tiny Qwen3 (row-parallel outputs all-reduced), on the device.  The MoE model has no
     router auxiliary loss: its transformers code branches on the device kind."""
     on_device = run_distributed(device_cases.parallel_on_device, 2, True, model, ep, tp, init_pg=False)
-    on_cpu = run_distributed(device_cases.parallel_on_device, 2, False, model, ep, tp)
+    # (the AutoEP reference is also that of tests/test_device_fit.py: run once a session)
+    on_cpu = run_once(device_cases.parallel_on_device, 2, False, model, ep, tp)
     for d, c in zip(on_device, on_cpu):
         torch.testing.assert_close(d["losses"], c["losses"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(d["norms"], c["norms"], rtol=1e-5, atol=1e-6)

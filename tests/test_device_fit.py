@@ -11,8 +11,8 @@ import torch
 
 import device_fit_cases
 import rayzero
-from distributed import run_distributed
-from ray_cases import Regression, model_factory, mse
+from distributed import run_distributed, run_once
+from ray_cases import Regression, cpu_fit, model_factory, mse
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -59,7 +59,7 @@ def test_expert_parallel_over_a_gloo_default_group():
 
     model, ep, tp = "qwen3_moe_noaux", 2, 1
     on_device = run_distributed(device_cases.parallel_on_device, 2, True, model, ep, tp)  # gloo default group
-    on_cpu = run_distributed(device_cases.parallel_on_device, 2, False, model, ep, tp)
+    on_cpu = run_once(device_cases.parallel_on_device, 2, False, model, ep, tp)  # tests/test_device_backend.py's too
     for d, c in zip(on_device, on_cpu):
         torch.testing.assert_close(d["losses"], c["losses"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(d["norms"], c["norms"], rtol=1e-5, atol=1e-6)
@@ -128,28 +128,34 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _fit(tmp_path, name: str, stage: int, offload: bool, accelerator: str | None, monkeypatch):
-    from rayzero.accelerator import ACCELERATOR_ENV_VAR
-    from rayzero.checkpoint.tools import export
-
+def _zero(stage: int, offload: bool) -> dict:
     zero = {**CONFIG["zero_optimization"], "stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    if accelerator:
-        monkeypatch.setenv(ACCELERATOR_ENV_VAR, accelerator)  # fit hands it to its workers
-    else:
-        monkeypatch.delenv(ACCELERATOR_ENV_VAR, raising=False)
+    return zero
+
+
+def _weights(run_dir: str, out) -> dict:
+    from rayzero.checkpoint.tools import export
+
+    export(run_dir, str(out), tag=f"checkpoint_step{STEPS:08d}")
+    return torch.load(out)
+
+
+def _fit(tmp_path, name: str, stage: int, offload: bool, accelerator: str, monkeypatch):
+    from rayzero.accelerator import ACCELERATOR_ENV_VAR
+
+    monkeypatch.setenv(ACCELERATOR_ENV_VAR, accelerator)  # fit hands it to its workers
     result = rayzero.fit(
         model_factory,
         {"workers": 2, "storage": str(tmp_path), "name": name, "checkpoint_every": 0, "progress": False},
-        config={**CONFIG, "zero_optimization": zero},
+        config={**CONFIG, "zero_optimization": _zero(stage, offload)},
         data=Regression(),
         loss_fn=mse,
         max_steps=STEPS,
     )
-    out = tmp_path / f"{name}.pt"
-    export(result.run_dir, str(out), tag=os.path.basename(result.checkpoint))
-    return result.losses, torch.load(out)
+    assert os.path.basename(result.checkpoint) == f"checkpoint_step{STEPS:08d}"
+    return result.losses, _weights(result.run_dir, tmp_path / f"{name}.pt")
 
 
 # stage 3 resizes parameter storages, which the stand-in device cannot: it runs on the stand-in accelerator
@@ -157,17 +163,33 @@ def _fit(tmp_path, name: str, stage: int, offload: bool, accelerator: str | None
 ON_DEVICE = "device_fit_cases:OwnDeviceAccelerator"
 HOST_STORAGE = "device_cases:StandInAccelerator"
 
-
 # Stage 1 differs from stage 2 only inside the engine, which tests/test_device_backend.py trains on the device
 # at stages 0-2; each fit here costs ~20 s of Ray Train start-up, so the worker path runs at 0, 2, 3 and offload.
-@pytest.mark.parametrize("stage,offload,accelerator", [
-    (0, False, ON_DEVICE), (2, False, ON_DEVICE), (3, False, HOST_STORAGE), (2, True, ON_DEVICE),
-], ids=["stage0", "stage2", "stage3", "stage2-offload"])
-def test_fit_on_the_device_equals_fit_on_the_cpu(ray_cluster, tmp_path, monkeypatch, stage, offload, accelerator):
+CASES = {"stage0": (0, False, ON_DEVICE), "stage2": (2, False, ON_DEVICE), "stage3": (3, False, HOST_STORAGE),
+         "stage2-offload": (2, True, ON_DEVICE)}
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(tmp_path_factory):
+    """Every case's CPU run, once, without Ray: the worker's own step, samples, model build and loss read on
+    two gloo processes (ray_cases.cpu_fit); per case its losses and exported weights."""
+    root = tmp_path_factory.mktemp("cpu")
+    cases = [{"name": name, "config": {**CONFIG, "zero_optimization": _zero(stage, offload)}}
+             for name, (stage, offload, _) in CASES.items()]
+    losses = run_distributed(cpu_fit, 2, cases, STEPS, str(root))[0]
+    return {case["name"]: (case_losses, _weights(str(root / case["name"]), root / f"{case['name']}.pt"))
+            for case, case_losses in zip(cases, losses)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fit_on_the_device_equals_fit_on_the_cpu(ray_cluster, cpu_reference, tmp_path, monkeypatch, name):
     """Two workers under Ray Train's gloo default group (no GPUs asked for): the batches, the loss and every
-    collective of the engine run on the stand-in device, through rayzero's group of the stand-in backend."""
+    collective of the engine run on the stand-in device, through rayzero's group of the stand-in backend.
+    The reference is the same training on the CPU (the worker's step without Ray, which
+    tests/test_ray_fit.py checks ``rayzero.fit`` against)."""
+    stage, offload, accelerator = CASES[name]
     losses, weights = _fit(tmp_path, "device", stage, offload, accelerator, monkeypatch)
-    cpu_losses, cpu_weights = _fit(tmp_path, "cpu", stage, offload, None, monkeypatch)
+    cpu_losses, cpu_weights = cpu_reference[name]
     # Bitwise: the stand-in computes each operator on the CPU, and with two ranks every sum across them has
     # two addends, which any backend adds to the same value.
     assert losses == cpu_losses and len(losses) == STEPS

@@ -21,8 +21,6 @@ the exchange has fixed sizes and reads nothing.
 
 from __future__ import annotations
 
-import pytest
-
 import sync_cases
 from distributed import run_distributed
 
@@ -65,9 +63,8 @@ def test_stages_0_to_2_on_the_device_read_only_the_norm():
     _check_constant(run_distributed(sync_cases.step_syncs, 2, runs, True, init_pg=False), names)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_optimizer_offload_on_the_device_reads_only_the_norm(stage):
-    names, runs = _dense_cases((stage,), ("fp32", "bf16"), offload="cpu")
+def test_optimizer_offload_on_the_device_reads_only_the_norm():
+    names, runs = _dense_cases((1, 2), ("fp32", "bf16"), offload="cpu")
     _check_constant(run_distributed(sync_cases.step_syncs, 2, runs, True, init_pg=False), names)
 
 
@@ -90,18 +87,19 @@ def test_moe_with_capacity_reads_only_the_norm():
     _check_constant(run_distributed(sync_cases.step_syncs, 2, runs, True, init_pg=False), names)
 
 
-@pytest.mark.parametrize("kind,ep", [("moe", 1), ("moe", 2), ("hf_moe", 2)],
-                         ids=["rayzero-moe", "rayzero-moe-ep2", "qwen3-moe-autoep2"])
-def test_dropless_moe_reads_the_counts_once_per_layer_and_micro_batch(kind, ep):
-    runs = _runs(kind, stage=2, ep=ep)
-    for rank, (small, big) in enumerate(run_distributed(sync_cases.step_syncs, 2, runs, True, init_pg=False)):
-        for r, run in ((small, runs[0]), (big, runs[1])):
-            reads = run["layers"] * run["config"]["gradient_accumulation_steps"]
-            where = f"{kind} ep {ep}, {run['layers']} layers, rank {rank}, syncs:\n{r['summary']}"
-            assert r["count"] == 1 + reads, where
-            lines = r["summary"].splitlines()
-            assert any(line.startswith(f"{reads} x {DISPATCH_READ}") for line in lines), where
-            assert any(line.startswith(f"1 x {NORM_READ}") for line in lines), where
+def test_dropless_moe_reads_the_counts_once_per_layer_and_micro_batch():
+    """rayzero's MoE without and with EP 2, and Qwen3-MoE under AutoEP 2, in one pair of processes."""
+    cases = [("moe", 1), ("moe", 2), ("hf_moe", 2)]
+    runs = [run for kind, ep in cases for run in _runs(kind, stage=2, ep=ep)]
+    for rank, results in enumerate(run_distributed(sync_cases.step_syncs, 2, runs, True, init_pg=False)):
+        for i, (kind, ep) in enumerate(cases):
+            for r, run in zip(results[2 * i:2 * i + 2], runs[2 * i:2 * i + 2]):
+                reads = run["layers"] * run["config"]["gradient_accumulation_steps"]
+                where = f"{kind} ep {ep}, {run['layers']} layers, rank {rank}, syncs:\n{r['summary']}"
+                assert r["count"] == 1 + reads, where
+                lines = r["summary"].splitlines()
+                assert any(line.startswith(f"{reads} x {DISPATCH_READ}") for line in lines), where
+                assert any(line.startswith(f"1 x {NORM_READ}") for line in lines), where
 
 
 def test_the_counter_sees_each_kind_of_sync_and_where():

@@ -1,4 +1,5 @@
-"""rayzero.fit on a real local Ray cluster (one per module): results, restarts, bad input."""
+"""rayzero.fit on a real local Ray cluster (one per module): results, bad input.  (A worker killed mid-run:
+tests/test_ray_kill_bitwise.py.)"""
 
 from __future__ import annotations
 
@@ -11,12 +12,19 @@ import pytest
 import torch
 
 import rayzero
-from distributed import run_distributed
+from distributed import run_distributed, run_once
 from rayzero.capture.cache import kernel_archive_name
-from ray_cases import CONFIG, KillOnce, Regression, expected_samples, final_samples, model_factory, mse, plain_run
+from ray_cases import CONFIG, Regression, cpu_fit, expected_samples, final_samples, model_factory, mse, plain_run
 
 ray = pytest.importorskip("ray")
 TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _plain(steps: int) -> list[float]:
+    """The engine alone (ray_cases.plain_run) for the first ``steps`` steps: one run of the longest, 6 steps,
+    whose first steps are those of every shorter run."""
+    assert steps <= 6
+    return run_once(plain_run, 2, 6, 6)[0][:steps]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,8 +45,20 @@ def test_fit_gives_the_losses_of_the_plain_engine(tmp_path):
         max_steps=steps,
         record_samples=True,
     )
-    reference = run_distributed(plain_run, 2, steps, 6)[0]
+    reference = _plain(steps)
     assert result.losses == pytest.approx(reference, rel=1e-6)
+    # bit for bit, the worker's own step without Ray (ray_cases.cpu_fit: the CPU reference of
+    # tests/test_device_fit.py and tests/test_ray_kill_bitwise.py), losses and final weights
+    worker_losses = run_distributed(cpu_fit, 2, [{"name": "same", "config": CONFIG}], steps, str(tmp_path / "cpu"))
+    assert result.losses == worker_losses[0][0]
+    from rayzero.checkpoint.tools import export
+
+    export(result.checkpoint, str(tmp_path / "fit.pt"))
+    export(str(tmp_path / "cpu" / "same"), str(tmp_path / "cpu.pt"), tag=os.path.basename(result.checkpoint))
+    fit_weights, cpu_weights = torch.load(tmp_path / "fit.pt"), torch.load(tmp_path / "cpu.pt")
+    assert list(fit_weights) == list(cpu_weights)
+    for name, v in cpu_weights.items():
+        assert torch.equal(fit_weights[name], v), name
     assert result.world_sizes == [2]
     assert result.checkpoint.endswith("checkpoint_step00000006")
     assert final_samples(os.path.join(result.run_dir, "samples.jsonl")) == expected_samples(steps, 12, 96)
@@ -62,7 +82,7 @@ def test_fit_with_graph_capture_keeps_the_compile_cache_in_the_run(tmp_path):
         loss_fn=mse,
         max_steps=steps,
     )
-    reference = run_distributed(plain_run, 2, steps, 6)[0]  # the eager engine
+    reference = _plain(steps)  # the eager engine
     assert result.losses == pytest.approx(reference, rel=1e-5)
     # the node agents lived for the node table only: none is left on the cluster
     from ray._private.state import actors
@@ -93,30 +113,6 @@ def test_a_node_without_a_compile_cache_actor_is_left_out_not_fatal(tmp_path, ca
     assert os.path.isdir(node_dir)
     assert shutdown_compile_caches("left-out", handles) == 1
     assert not os.path.exists(node_dir)
-
-
-def test_worker_killed_with_sigkill_restarts_and_loses_no_sample(tmp_path):
-    steps = 8
-    marker = str(tmp_path / "killed-once")
-    result = rayzero.fit(
-        model_factory,
-        {"workers": 2, "storage": str(tmp_path), "name": "kill", "checkpoint_every": 2, "max_failures": 2,
-         "progress": False},
-        config=CONFIG,
-        data=Regression(),
-        train_step=KillOnce(marker, rank=1, step=5),
-        max_steps=steps,
-        record_samples=True,
-    )
-    assert os.path.exists(marker), "the worker was never killed"
-    # killed while computing step 6; the restart resumed from the latest checkpoint Ray had committed by
-    # then (step 4, or step 2 when the kill beat step 4's report) and redid the steps after it
-    history = [r["step"] for r in result.history]
-    assert history[:5] == [1, 2, 3, 4, 5]
-    assert history[5:] in ([5, 6, 7, 8], [3, 4, 5, 6, 7, 8]), history
-    assert final_samples(os.path.join(result.run_dir, "samples.jsonl")) == expected_samples(steps, 12, 96)
-    reference = run_distributed(plain_run, 2, steps, 6)[0]
-    assert result.losses == pytest.approx(reference, rel=1e-6)  # the restart changed nothing
 
 
 class Unpicklable(torch.nn.Module):

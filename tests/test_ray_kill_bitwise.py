@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import rayzero
-from ray_cases import CONFIG, KillOnce, Regression, expected_samples, final_samples, model_factory, mse
+from distributed import run_distributed
+from ray_cases import CONFIG, KillOnce, Regression, cpu_fit, expected_samples, final_samples, model_factory, mse
 
 ray = pytest.importorskip("ray")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 STEPS = 9
+EVERY = 2  # checkpoint_every
 DETERMINISTIC = {**CONFIG, "deterministic": True}
 
 
@@ -29,7 +31,7 @@ def ray_cluster():
 def _fit(tmp_path, name: str, train_step=None) -> rayzero.Result:
     return rayzero.fit(
         model_factory,
-        {"workers": 2, "storage": str(tmp_path), "name": name, "checkpoint_every": 2, "max_failures": 2,
+        {"workers": 2, "storage": str(tmp_path), "name": name, "checkpoint_every": EVERY, "max_failures": 2,
          "progress": False},
         config=DETERMINISTIC,
         data=Regression(),
@@ -50,24 +52,36 @@ def _weights(result: rayzero.Result, out: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """The run without a kill: the worker's own steps without Ray (ray_cases.cpu_fit, which
+    tests/test_ray_fit.py checks against ``rayzero.fit`` bit for bit), its losses and final weights."""
+    from rayzero.checkpoint.tools import export
+
     tmp = tmp_path_factory.mktemp("straight")
-    result = _fit(tmp, "straight")
-    return result, _weights(result, str(tmp / "straight.pt"))
+    losses = run_distributed(cpu_fit, 2, [{"name": "straight", "config": DETERMINISTIC}], STEPS, str(tmp))[0][0]
+    export(str(tmp / "straight"), str(tmp / "straight.pt"), tag=f"checkpoint_step{STEPS:08d}")
+    return losses, torch.load(tmp / "straight.pt")
 
 
 @pytest.mark.parametrize("seed", [0, 5, 7])  # rank 1 at step 7, rank 1 at step 5, rank 0 at step 3
 def test_sigkill_at_a_random_step_ends_bitwise_like_an_uninterrupted_run(tmp_path, uninterrupted, seed):
-    straight, weights = uninterrupted
+    straight_losses, weights = uninterrupted
     rng = random.Random(seed)
     step, rank = rng.randrange(1, STEPS - 1), rng.randrange(2)
     marker = str(tmp_path / "killed-once")
     result = _fit(tmp_path, f"kill{seed}", KillOnce(marker, rank=rank, step=step))
     assert os.path.exists(marker), f"rank {rank} was never killed at step {step}"
-    assert result.history[-1]["step"] == STEPS
+    # killed while computing step ``step + 1``; the restart resumed from the latest checkpoint Ray had
+    # committed by then (``step`` rounded down to a checkpoint, or the one before it when the kill beat that
+    # one's report) and redid the steps after it
+    history = [r["step"] for r in result.history]
+    latest = step - step % EVERY
+    assert history[:step] == list(range(1, step + 1)), history
+    resumed = [list(range(start + 1, STEPS + 1)) for start in (latest, max(latest - EVERY, 0))]
+    assert history[step:] in resumed, history
     # the steps that counted (a restart's later records win) read every sample of every step exactly once
     assert final_samples(os.path.join(result.run_dir, "samples.jsonl")) == expected_samples(STEPS, 12, 96)
     # every step's loss, and the final weights, as the run without a kill
-    assert result.losses == straight.losses
+    assert result.losses == straight_losses
     got = _weights(result, str(tmp_path / "killed.pt"))
     assert list(got) == list(weights)
     for name in weights:
