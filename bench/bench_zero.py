@@ -559,7 +559,9 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespa
         if spec.get("zero_init"):
             import rayzero
 
-            with rayzero.zero_init():
+            cfg = zero_config(a, world, spec["stage"], spec.get("defaults", False))
+            cfg["zero_optimization"].update(row_zero(spec, a))
+            with rayzero.zero_init(config=cfg):  # as a user passes it (DeepSpeed's zero.Init(config_dict_or_path))
                 model = build_model(a.dim, a.hidden, a.blocks)  # seeds itself: the same weights as plain
         else:
             model = build_model(a.dim, a.hidden, a.blocks)

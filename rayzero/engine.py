@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from rayzero.accelerator import bind_rank_device, get_accelerator
-from rayzero.accelerator.host_allocator import configure_host_allocator
+from rayzero.accelerator.host_allocator import configure_host_allocator, give_back_now
 from rayzero.checkpoint.engine_io import CheckpointIO
 from rayzero.checkpoint.engine_io import load as checkpoint_load
 from rayzero.checkpoint.format import CheckpointError
@@ -87,6 +87,7 @@ class Engine:
         except BaseException:
             self.parallel.destroy()  # the groups made above would otherwise outlive a failed set-up
             raise
+        give_back_now()  # with offload: what set-up freed leaves the process (host_allocator.py)
         _live_engines.add(self)
 
     def _build(self, model: torch.nn.Module, model_parameters: Iterable | None) -> None:
@@ -151,6 +152,7 @@ class Engine:
             pin_memory=offload and z.offload_optimizer.pin_memory and device.type != "cpu",
         )
         self.partitions.load_masters_from_params()
+        give_back_now()  # with offload: the zero_init shards just freed leave the process
         with torch.no_grad():
             for p in model.parameters():
                 if p.dtype.is_floating_point and p.dtype != self.compute_dtype and not hasattr(p, "_rayzero_shard"):

@@ -140,7 +140,7 @@ def peak_rss_over_baseline(rank: int, world: int, zero: dict, dim: int, hidden: 
         f.write("5")  # VmHWM starts again from the current RSS
     cfg = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4,
            "zero_optimization": {"stage": 3, **zero}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
-    with rayzero.zero_init():
+    with rayzero.zero_init(config=cfg):
         model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.GELU(),
                                                           torch.nn.Linear(hidden, dim)) for _ in range(blocks)])
     engine = rayzero.initialize(model, cfg)

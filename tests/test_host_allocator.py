@@ -73,6 +73,12 @@ def _unit_cycles(rank: int, world: int, keep: str) -> dict:
     from rayzero.accelerator.host_allocator import M_MMAP_THRESHOLD, keep_freed_memory
 
     applied = keep_freed_memory()
+    if keep == "zero_init":  # zero_init given a config that offloads, before any engine exists
+        import rayzero.accelerator.host_allocator as host_allocator
+
+        with rayzero.zero_init(config={"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}):
+            torch.nn.Linear(64, 64)
+        applied = host_allocator._applied
     if keep == "offload":  # an engine with the optimizer offloaded, built after the kept setting was applied
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
         engine = rayzero.initialize(model, {"train_batch_size": 2, "zero_optimization": {
@@ -110,6 +116,14 @@ def test_offload_gives_freed_memory_back():
     to the OS, even after the kept setting was applied: the first cycle's 20 MiB leaves at its free."""
     released, = run_distributed(_unit_cycles, 1, "offload", init_pg=False)
     assert released["applied"]["policy"] == "release" and released["applied"]["mmap_threshold"] == 1 << 20
+    assert released["returned_bytes"] > 16 << 20, released
+
+
+def test_zero_init_given_an_offloading_config_gives_freed_memory_back():
+    """zero_init(config=...) with offload applies the give-back policy before the model is built, so the
+    full-size weights each module makes before it is sharded leave the process when freed."""
+    released, = run_distributed(_unit_cycles, 1, "zero_init")
+    assert released["applied"]["policy"] == "release", released
     assert released["returned_bytes"] > 16 << 20, released
 
 

@@ -69,6 +69,14 @@ def release_freed_memory() -> dict | None:
     return _apply("release", RELEASE_MMAP_THRESHOLD, RELEASE_TRIM_THRESHOLD)
 
 
+def give_back_now() -> None:
+    """Under the give-back policy, return to the OS what the heap holds free now.  The engine calls it at the
+    end of set-up: blocks freed there were allocated before the policy applied (``zero_init``'s shards, the
+    model's full-size weights as its modules were built) and sit in the heap, which only shrinks from its top."""
+    if _applied is not None and _applied["policy"] == "release":
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def _apply(policy: str, mmap_threshold: int, trim_threshold: int) -> dict | None:
     global _applied
     if _applied is not None and _applied["policy"] == policy:

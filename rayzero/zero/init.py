@@ -16,7 +16,7 @@ All ranks must build the model with the same code and the same RNG state (``seed
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -94,8 +94,22 @@ class _GatherOnUse(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def zero_init(seed: int | None = None) -> Iterator[None]:
-    """Construct modules inside this context to shard their parameters as they are built (stage 3)."""
+def zero_init(seed: int | None = None, config: Any = None) -> Iterator[None]:
+    """Construct modules inside this context to shard their parameters as they are built (stage 3).
+
+    ``config``: the training config (a dict, a path to a JSON file, or a ``Config``), as DeepSpeed's
+    ``zero.Init(config_dict_or_path=...)`` takes it.  Where it offloads the optimizer or the parameters, the
+    host allocator gives freed memory back from here on (rayzero/accelerator/host_allocator.py), so the
+    full-size weights each module builds before it is sharded do not stay in the heap.  The shards are
+    still built in memory; the engine moves them where the config keeps them.
+    """
+    if config is not None:
+        from rayzero.accelerator.host_allocator import configure_host_allocator
+        from rayzero.config import Config
+
+        z = Config.from_any(config).zero_optimization
+        if z.offload_optimizer.device in ("cpu", "nvme") or z.offload_param.device != "none":
+            configure_host_allocator(True)
     init_distributed()
     state = _ShardState(Communicator.for_group(None))
     if seed is not None:

@@ -130,14 +130,17 @@ class Partitions:
                 for run in _sub_groups(params, world, sub_group_size, alone_from if world > 1 else None):
                     gi = len(self.groups)
                     layout = GroupLayout.build(gi, [(names[p], p) for p in run], world)
-                    master = self._zeros(layout.partition_numel, pin_memory)
+                    # the master is left unwritten: load_masters_from_params writes every element of it (each
+                    # shard zero padded), so its pages are first touched there, as the zero_init shards it copies
+                    # are dropped one by one (no moment holds a whole zeroed master beside every shard)
+                    master = self._zeros(layout.partition_numel, pin_memory, zero=False)
                     grad = self._zeros(layout.partition_numel, pin_memory)
                     self.groups.append(GroupPartition(layout, run, master, grad, domain, ui, dict(overrides)))
                     for p, e in zip(run, layout.entries):
                         self.entry_of[p] = e
 
-    def _zeros(self, numel: int, pin_memory: bool) -> torch.Tensor:
-        t = torch.zeros(numel, dtype=torch.float32, device=self.state_device)
+    def _zeros(self, numel: int, pin_memory: bool, zero: bool = True) -> torch.Tensor:
+        t = (torch.zeros if zero else torch.empty)(numel, dtype=torch.float32, device=self.state_device)
         if not (pin_memory and self.state_device.type == "cpu"):
             return t
         # pinned by the compute device's accelerator: a device kind torch cannot pin for (a PrivateUse1
@@ -172,8 +175,12 @@ class Partitions:
 
     @torch.no_grad()
     def load_masters_from_params(self) -> None:
-        """Fill the fp32 masters from the parameters' current values (or their zero_init shards)."""
+        """Fill the fp32 masters from the parameters' current values (or their zero_init shards): every
+        element, padding included (the masters are allocated unwritten; the engine calls this right after)."""
+        from rayzero.accelerator.host_allocator import give_back_now
+
         for g in self.groups:
+            dropped = False
             for p, e in zip(g.params, g.layout.entries):
                 out = g.master[e.partition_offset : e.partition_offset + e.chunk]
                 pre_sharded = getattr(p, "_rayzero_shard", None)
@@ -185,8 +192,14 @@ class Partitions:
                             "build the model under zero_init in the same process group it trains in"
                         )
                     out.copy_(pre_sharded)
+                    # the master holds it now: drop the shard at once, so that the rank never holds every
+                    # shard and the whole master together (the empty tensor still marks a zero_init parameter)
+                    p._rayzero_shard = pre_sharded.new_empty(0)
+                    dropped = True
                 else:
                     shard_of(p.detach().reshape(-1).float(), e, g.rank, out)
+            if dropped:  # with offload, the shards just dropped leave the process group by group
+                give_back_now()
 
     @torch.no_grad()
     def refresh_weights(self, groups: list[GroupPartition] | None = None) -> None:

@@ -1,0 +1,186 @@
+"""The largest model each offload config trains under a per-rank memory cap (issue 27).
+
+    python bench/bench_cap.py                       # 1 GiB per rank, world 2, none / cpu / nvme
+    python bench/bench_cap.py --cap-mib 2048 --configs nvme --nvme-path /mnt/nvme/swap
+
+Each trial spawns ``--world`` ranks on this host; each rank moves itself into a cgroup v1 memory group of
+its own whose ``memory.limit_in_bytes`` is the cap less what the rank already holds (torch imported: the
+post-import baseline counts against the cap, as it does for a container or a Ray worker; the kernel does
+not move existing charges with a process, so they are subtracted from the limit instead).  There it
+builds the bench model (blocks of Linear(1024, 4096) -> GELU -> Linear(4096, 1024), 8.4M parameters each)
+under ``rayzero.zero_init``, initializes ZeRO-3 with the config's defaults besides the offload, and trains
+``--steps`` steps.  A trial passes when every rank finishes; it fails when a rank is killed for memory
+(the machine has no swap), or when rayzero refuses the plan at start-up (its own memory check: the message
+is reported).  Sizes go up a ladder of block counts and a config stops at its first failure.
+
+The table gives, per config, the largest model trained, its model states per rank (16 bytes per parameter
+over the world: fp32 master, gradient and AdamW's two moments) and that figure over the cap: the issue's
+target is at least 3x with optimizer and parameters on NVMe.  Needs root and a writable
+/sys/fs/cgroup/memory (cgroup v1); DeepSpeed is not run here (see bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spawn_ranks import free_port, spawn  # noqa: E402
+
+MIB = 1 << 20
+CGROUP = "/sys/fs/cgroup/memory"
+BLOCK_PARAMS = 2 * 1024 * 4096 + 4096 + 1024
+
+
+def _group(parent: str, rank: int) -> str:
+    return os.path.join(CGROUP, parent, f"rank{rank}")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _join_capped_group(path: str, cap: int) -> int:
+    """Move this process into the group at ``path`` with a limit such that what it already holds counts
+    against ``cap``: this kernel does not move existing charges with a process (``move_charge_at_immigrate``
+    is refused), so the group's limit is the cap less the resident set at the move.  Returns that limit."""
+    os.makedirs(path, exist_ok=True)
+    limit = cap - _rss_bytes()
+    with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit))
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    return limit
+
+
+def _read(path: str, name: str) -> int:
+    with open(os.path.join(path, name)) as f:
+        return int(f.read())
+
+
+def _rank_main(rank: int, world: int, port: int, parent: str, cap: int, blocks: int, offload: str,
+               nvme_path: str, steps: int, queue) -> None:
+    import pickle
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        group = _group(parent, rank)
+        limit = _join_capped_group(group, cap)
+        out = {"held_before": cap - limit}
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        import rayzero
+
+        zero: dict = {"stage": 3}
+        if offload == "cpu":
+            zero["offload_optimizer"] = {"device": "cpu"}
+        elif offload == "nvme":
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
+            zero["offload_param"] = {"device": "nvme", "nvme_path": nvme_path}
+        cfg = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+        with rayzero.zero_init(config=cfg):
+            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                                                              torch.nn.Linear(4096, 1024)) for _ in range(blocks)])
+        engine = rayzero.initialize(model, cfg)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            x = torch.randn(4, 1024, generator=g)
+            loss = torch.nn.functional.mse_loss(engine(x), x)
+            engine.backward(loss)
+            engine.step()
+        out["peak"] = out["held_before"] + _read(group, "memory.max_usage_in_bytes")
+        engine.destroy()
+        queue.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _short(error: str) -> str:
+    lines = [line for line in error.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else error
+    if "exited with code -9" in error or "exited with code 137" in error:
+        return "killed for memory (OOM)"
+    if "Connection closed by peer" in error or "Connection reset by peer" in error:
+        return "a rank died (killed for memory: no swap here) and its peer lost the connection"
+    return last[:300]
+
+
+def trial(a, blocks: int, offload: str) -> tuple[bool, str, float]:
+    parent = f"rayzero-cap-{os.getpid()}-{blocks}-{offload}"
+    os.makedirs(os.path.join(CGROUP, parent), exist_ok=True)
+    t0 = time.perf_counter()
+    port = free_port()
+    try:
+        ranks, error = spawn(_rank_main, lambda r: (r, a.world, port, parent, a.cap_mib * MIB, blocks,
+                                                    offload, a.nvme_path, a.steps), a.world, a.timeout)
+    finally:
+        for r in range(a.world):
+            try:
+                os.rmdir(_group(parent, r))
+            except OSError:
+                pass
+        try:
+            os.rmdir(os.path.join(CGROUP, parent))
+        except OSError:
+            pass
+    wall = time.perf_counter() - t0
+    if error is not None:
+        return False, _short(error), wall
+    peak = max(r["peak"] for r in ranks) / MIB
+    return True, f"peak charge {peak:.0f} MiB", wall
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cap-mib", type=int, default=1024, help="memory.limit_in_bytes of each rank, MiB")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--configs", default="none,cpu,nvme", help="offload configs to try, comma-separated")
+    p.add_argument("--blocks", default="2,4,8,12,16,24,32,48", help="the ladder of block counts")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per trial")
+    p.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "rayzero-bench-cap-swap"))
+    a = p.parse_args(argv)
+    if not os.access(CGROUP, os.W_OK):
+        print(f"{CGROUP} is not writable (needs root and cgroup v1's memory controller)", file=sys.stderr)
+        return 2
+    ladder = [int(b) for b in a.blocks.split(",")]
+    rows = []
+    for offload in [c.strip() for c in a.configs.split(",") if c.strip()]:
+        best, failed = 0, ""
+        for blocks in ladder:
+            ok, what, wall = trial(a, blocks, offload)
+            print(f"[cap] {offload} {blocks} blocks ({blocks * BLOCK_PARAMS / 1e6:.0f}M params): "
+                  f"{'ok' if ok else 'FAILED'}, {what} ({wall:.0f} s)", file=sys.stderr, flush=True)
+            if not ok:
+                failed = f"{blocks} blocks: {what}"
+                break
+            best = blocks
+        rows.append((offload, best, failed))
+    cap = a.cap_mib * MIB
+    print(f"\nCap {a.cap_mib} MiB per rank (cgroup v1 memory.limit_in_bytes, the post-import baseline included), "
+          f"world {a.world}, ZeRO-3 under zero_init, config defaults besides the offload, {a.steps} steps.\n")
+    print("| offload | largest trained | parameters | model states per rank | / cap | first failure |")
+    print("|---|---:|---:|---:|---:|---|")
+    for offload, best, failed in rows:
+        n = best * BLOCK_PARAMS
+        states = 16 * n / a.world
+        print(f"| {offload} | {best} blocks | {n / 1e6:.0f}M | {states / MIB:.0f} MiB | {states / cap:.2f}x | "
+              f"{failed or '-'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
