@@ -126,7 +126,7 @@ def _build_model(spec: WorkerSpec) -> torch.nn.Module:
     if isinstance(spec.model, torch.nn.Module):
         return spec.model
     if spec.zero_init:
-        with rayzero.zero_init(seed=spec.seed):
+        with rayzero.zero_init(seed=spec.seed, config=spec.config):
             return spec.model()
     torch.manual_seed(spec.seed)
     return spec.model()

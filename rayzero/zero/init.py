@@ -105,10 +105,13 @@ def zero_init(seed: int | None = None, config: Any = None) -> Iterator[None]:
     """
     if config is not None:
         from rayzero.accelerator.host_allocator import configure_host_allocator
-        from rayzero.config import Config
+        from rayzero.config import Config, ConfigError
 
-        z = Config.from_any(config).zero_optimization
-        if z.offload_optimizer.device in ("cpu", "nvme") or z.offload_param.device != "none":
+        try:
+            z = Config.from_any(config).zero_optimization
+        except ConfigError:  # initialize reads the same config and says what is wrong with it
+            z = None
+        if z is not None and (z.offload_optimizer.device in ("cpu", "nvme") or z.offload_param.device != "none"):
             configure_host_allocator(True)
     init_distributed()
     state = _ShardState(Communicator.for_group(None))
