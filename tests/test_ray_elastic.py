@@ -61,6 +61,7 @@ def _wait(pred, timeout: float, what: str, box: dict) -> None:
     while not pred():
         if "error" in box:
             raise box["error"]
+        assert "result" not in box, f"the run ended before {what}: give it more steps"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
 
@@ -72,7 +73,9 @@ def _grow_and_shrink(tmp_path, monkeypatch, *, workers, head_cpus, node_cpus, fa
     cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": head_cpus})
     flag = str(tmp_path / "slow")
     open(flag, "w").close()
-    steps = 150
+    # enough steps for both resizes while each step sleeps (they took 20 to 30 here: 3x that), not many more: after
+    # the shrink the flag goes and the rest run at checkpoint speed (one every 5 steps, ~2 s each here)
+    steps = 80
     small, large = workers
     run_dir = str(tmp_path / name)
     box: dict = {}

@@ -14,6 +14,7 @@ import torch
 
 import rayzero
 from distributed import run_distributed
+from rayzero.cli import build_parser
 from ray_cases import model_factory, mse, tune_stream
 
 ray = pytest.importorskip("ray")
@@ -102,12 +103,16 @@ def test_tune_command_line(tmp_path):
     bad = subprocess.run(cmd + ["--micro-batches", "5"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2
     assert "micro-batch sizes [5] do not divide the 6 samples per worker" in bad.stderr
-    run = subprocess.run(cmd + ["--stages", "2", "--micro-batches", "6", "--bucket-factors", "0.5,1", "--steps", "3",
+    # one trial: a grid of one point (the search over several is the test above); a list of factors parses
+    run = subprocess.run(cmd + ["--stages", "2", "--micro-batches", "6", "--bucket-factors", "0.5", "--steps", "3",
                                 "--warmup", "1", "--confirm", "0", "--out", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "[rayzero tune] trial 2 (grid 2)" in run.stdout
+    assert "[rayzero tune] trial 1 (grid 1)" in run.stdout
     assert "| best |" in run.stdout and f"config written to {out}" in run.stdout
     tuned = rayzero.Config.from_any(str(out))
     assert tuned.zero_optimization.stage == 2 and tuned.train_batch_size == 12
-    assert tuned.zero_optimization.reduce_bucket_size in (1_875_000, 3_750_000)
+    assert tuned.zero_optimization.reduce_bucket_size == 1_875_000  # half the derived 3_750_000
+    parsed = build_parser().parse_args(["tune", "--model", "m:f", "--data", "m:d", "--config", "c.json",
+                                        "--stages", "1,2", "--micro-batches", "3,6", "--bucket-factors", "0.5,1"])
+    assert (parsed.stages, parsed.micro_batches, parsed.bucket_factors) == ([1, 2], [3, 6], [0.5, 1.0])
