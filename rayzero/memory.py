@@ -572,12 +572,12 @@ def rank_memory(model_or_params: Any, cfg, world: int, *, offload: str | None = 
         from rayzero.comm.shm import CHUNK_BYTES, SLOTS
 
         transport = SLOTS * CHUNK_BYTES * local_ranks
-    shares_host = local_ranks > 1 and device == "cpu" and offload == "none" and z.offload_param.device == "none"
+    shares_host = local_ranks > 1 and device == "cpu"  # as the engine decides it (engine.py, share=)
     if shares_host and stage in (1, 2):
         whole = sum(s.elements for s in shares if s.trainable)
         weights -= w * whole
         host_shared = w * whole
-    elif shares_host and stage == 3 and managed:
+    elif shares_host and stage == 3 and managed and z.offload_param.device == "none":
         budget = 2 * max(units) if z.stage3_prefetch_bucket_size is None else z.stage3_prefetch_bucket_size
         mine = sum(-(-n // (world // cfg.tensor_parallel.autotp_size)) for n in managed.values())
         share = (z.stage3_share_weights if z.stage3_share_weights is not None

@@ -15,8 +15,8 @@ stays near that peak instead of dropping between steps. Larger buffers are still
 With the optimizer (or the parameters) offloaded the point of the config is to hold less, and the reverse
 holds: :func:`release_freed_memory` fixes glibc's mmap threshold at 1 MiB (and its trim threshold at 1 MiB),
 so every buffer of 1 MiB or more is a mapping of its own that goes back to the OS when freed. Kept memory
-is what made offload cost RAM: with parameters and optimizer on NVMe the heap held 285-422 MiB of freed
-blocks between steps on the bench model, more than the offload saved. The step pays page faults for its
+is what made offload cost RAM: with parameters and optimizer on NVMe the bench model's ranks peaked at
+704-751 MB against 589 MB without offload (issue 27), most of the difference freed blocks the heap kept. The step pays page faults for its
 large buffers again (offloaded steps are bound by the copies and the disk anyway).
 
 ``rayzero.initialize`` applies one of the two (:func:`configure_host_allocator`) on a CPU device without
