@@ -18,7 +18,9 @@ Ray.  Three levels:
   parameters: :func:`engine_shares`) and the driver (the whole model cut by tp / ep: :func:`model_shares`)
   both call;
 * one rank's whole memory for a config: :func:`rank_memory` -> :class:`RankMemory` (model states, stage 3's
-  gathers, buckets, the NVMe swap pools, activations given by the caller).
+  gathers, buckets, autograd's gradient in flight, the NVMe swap pools, activations given by the caller, and
+  for ranks that share a host the weights it keeps once for them and the shared-memory transport's segment):
+  what a rank's peak RSS is compared with.
 
 ``W`` below is the number of ranks a parameter's ZeRO partition is split over (its domain: data-parallel
 ranks for dense parameters, expert-data-parallel ones for experts).  Padding (under ``W`` elements per
@@ -51,8 +53,7 @@ def optimizer_state_bytes(cfg) -> int:
 def sub_group_size(cfg, partition_elements: int, nvme: bool) -> int:
     """``zero_optimization.sub_group_size``, or when it is left out: 1e9 elements (one sub-group per param
     group in practice), and with the optimizer on NVMe 1/16 of the rank's partition, within 1e6..1e8
-    elements, so the swap pool (up to ``buffer_count`` sub-groups) stays a small part of what offload
-    saves."""
+    elements, so the swap pool (``pool_slots`` sub-groups) stays a small part of what offload saves."""
     chosen = cfg.zero_optimization.sub_group_size
     if chosen is not None:
         return chosen
