@@ -191,7 +191,7 @@ def warm_runtime(kind: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def design_model_state_bytes(spec: dict, a, world: int, engine=None) -> float:
+def design_model_state_bytes(spec: dict, a, world: int) -> float:
     """Steady-state model states per rank of DDP (16 bytes per parameter) and FSDP2 (16/W); rayzero rows
     take theirs from ``rayzero_memory_model``."""
     n = param_count(a.dim, a.hidden, a.blocks)
@@ -214,36 +214,10 @@ def rayzero_memory_model(spec: dict, a, world: int, activations: int):
     return rank_memory(model, Config.from_any(cfg), world, activations=activations, local_ranks=world if shm else 1)
 
 
-def bucket_allowance(spec: dict, a, world: int, model=None, engine=None) -> tuple[float, str]:
-    """Transient buffers the system keeps by design beyond its model states, in bytes, with how."""
+def bucket_allowance(spec: dict, a, world: int) -> tuple[float, str]:
+    """Transient buffers DDP and FSDP2 keep by design beyond their model states, in bytes, with how (rayzero
+    rows count theirs with ``rayzero_memory_model``)."""
     kind = spec["kind"]
-    if kind == "rayzero":
-        from rayzero.zero.publish import WeightPublisher
-        from rayzero.zero.reducer import GradientReducer
-
-        s = engine.stage
-        comm = torch.empty(0, dtype=engine.config.comm_dtype).element_size()
-        compute = torch.empty(0, dtype=engine.compute_dtype).element_size()
-        rb = max((b.group.world * b.cols * comm for b in engine.reducer.buckets), default=0)
-        pb = max((g.world * sum(e.chunk for e, _ in m) * compute for g, m in engine.publisher.buckets), default=0)
-        ub = 0
-        if engine.gatherer is not None:
-            entry = engine.partitions.entry_of
-            ub = max((sum(e.padded_numel for e in (entry[p] for p in u.params)) * compute
-                      for u in engine.gatherer.units), default=0)
-        parts = []
-        backward = 0
-        if s >= 2:  # the bucket filling and MAX_INFLIGHT reduce-scatters in flight
-            k = GradientReducer.MAX_INFLIGHT + 1
-            backward += k * rb
-            parts.append(f"{k} x {rb / MIB:.0f} MiB reduce buckets")
-        if s == 3:  # the unit in use and the prefetched one
-            backward += 2 * ub
-            parts.append(f"2 x {ub / MIB:.0f} MiB gathered units")
-        publish = WeightPublisher.MAX_INFLIGHT * pb if s in (1, 2) else 0
-        if publish > backward:
-            return float(publish), f"{WeightPublisher.MAX_INFLIGHT} x {pb / MIB:.0f} MiB all-gather buckets (step)"
-        return float(backward), " + ".join(parts) if parts else "none (buckets are views of the gradient partition)"
     n = param_count(a.dim, a.hidden, a.blocks)
     if kind == "ddp":  # gradient_as_bucket_view=False: DDP's flat buckets are a second copy of the gradients
         return 4.0 * n, "DDP's buckets: a copy of every gradient"
@@ -375,7 +349,6 @@ def setup_rayzero(model, a, world, stage: int, defaults: bool = False, capture: 
         engine.step()
         return loss.detach(), engine.global_grad_norm
 
-    step.engine = engine  # for the memory report's bucket sizes
     return step, engine.destroy
 
 
@@ -569,10 +542,9 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespa
         out["rss_after_setup_mib"] = rss_mib()
         if a.memory:
             out["hwm_setup_mib"] = hwm_mib()
-            engine = getattr(step, "engine", None)
-            out["theory_bytes"] = design_model_state_bytes(spec, a, world, engine)
-            out["buckets_bytes"], out["buckets_how"] = bucket_allowance(spec, a, world, model, engine)
-            del engine
+            if spec["kind"] != "rayzero":  # rayzero rows: rank_memory, in the driver (rayzero_memory_model)
+                out["theory_bytes"] = design_model_state_bytes(spec, a, world)
+                out["buckets_bytes"], out["buckets_how"] = bucket_allowance(spec, a, world)
 
         data = make_batches(a.warmup + a.steps, a.data_world, a.micro, a.dim)
         lo, hi = rank * a.micro, (rank + 1) * a.micro
@@ -678,9 +650,9 @@ def run_system(spec: dict, a: argparse.Namespace) -> dict:
             # touched them first); None without a writable cgroup v1
             mem_charged_peak_mib=(max((r["cgroup_peak"] - r["cgroup_baseline"]) / MIB for r in ranks)
                                   if all(r.get("cgroup_peak") is not None for r in ranks) else None),
-            theory_bytes=max(r["theory_bytes"] for r in ranks),
-            buckets_bytes=max(r["buckets_bytes"] for r in ranks),
-            buckets_how=ranks[0]["buckets_how"],
+            theory_bytes=max(r.get("theory_bytes", 0.0) for r in ranks),
+            buckets_bytes=max(r.get("buckets_bytes", 0.0) for r in ranks),
+            buckets_how=ranks[0].get("buckets_how", ""),
             malloc_mmap_threshold=ranks[0]["malloc_mmap_threshold"],
         )
     return res
@@ -789,7 +761,6 @@ NVME_TARGET = 0.6  # issue 27: optimizer and parameters on NVMe peak at most 0.6
 def render_memory(results: list[dict], meta: dict) -> str:
     act = meta["activation_bytes"] / MIB
     live = any("mem_live_peak_mib" in r for r in results)
-    charged = False  # the cgroup v1 charge counts kernel memory too: kept in the JSON, not in the table
     lines = [
         f"Workload: {meta['blocks']} x [Linear({meta['dim']},{meta['hidden']}) -> GELU -> "
         f"Linear({meta['hidden']},{meta['dim']})] = {meta['params']:,} params, fp32, AdamW lr {meta['lr']}, "
@@ -800,10 +771,8 @@ def render_memory(results: list[dict], meta: dict) -> str:
         _provenance_line(meta.get("provenance", {})),
         "",
         "| system | model states | transient | swap pools | host-shared | model total | set-up peak | "
-        "timed-steps peak | peak | peak / model |"
-        + (" charged peak | charged model | charged / model |" if charged else "")
-        + (" live-tensors peak |" if live else ""),
-        "|---|" + "---:|" * (9 + (3 if charged else 0) + (1 if live else 0)),
+        "timed-steps peak | peak | peak / model |" + (" live-tensors peak |" if live else ""),
+        "|---|" + "---:|" * (9 + (1 if live else 0)),
     ]
     notes = []
     plain = next((r for r in results if r["name"] == "rayzero stage 3, zero_init, config defaults"
@@ -816,20 +785,16 @@ def render_memory(results: list[dict], meta: dict) -> str:
         if m is not None:  # rayzero: rayzero.memory.rank_memory
             states, transient = m.model_states() / MIB, m.transient() / MIB
             pools, shared, total = m.swap_pool / MIB, m.host_shared / MIB, m.total() / MIB
-            charged_model = m.charged() / MIB
         else:
             states, transient = r["theory_bytes"] / MIB, act + r["buckets_bytes"] / MIB
             pools = shared = 0.0
-            total = charged_model = states + transient
+            total = states + transient
             notes.append(f"- {r['name']}: transient = activations + {r['buckets_how']}")
         ratio = r["mem_peak_mib"] / total
         flag = "" if r["kind"] != "rayzero" or ratio <= memory_target(r["world"]) else " **over**"
         row = (f"| {r['name']} | {states:.0f} | {transient:.0f} | {pools:.0f} | {shared:.0f} | {total:.0f} | "
                f"{r['mem_setup_peak_mib']:.0f} | {r['mem_timed_peak_mib']:.0f} | {r['mem_peak_mib']:.0f} | "
                f"{ratio:.2f}{flag} |")
-        if charged:
-            c = r.get("mem_charged_peak_mib")
-            row += (f" {c:.0f} | {charged_model:.0f} | {c / charged_model:.2f} |" if c is not None else " - | - | - |")
         if live:
             row += f" {r.get('mem_live_peak_mib', float('nan')):.0f} |"
         lines.append(row)
@@ -851,10 +816,8 @@ def render_memory(results: list[dict], meta: dict) -> str:
         "the reduce buckets in flight, autograd's largest gradient before it reaches a bucket, activations; swap "
         "pools; host-shared = the weights one copy per host keeps for its ranks, which every rank maps and so "
         "counts in its VmHWM); DDP 16 and FSDP2 16/W bytes per parameter plus their buckets. activations: what "
-        "autograd saves for backward on one micro-batch, parameters excluded. charged: each rank runs in a "
-        "cgroup (v1) of its own; its memory.max_usage_in_bytes over the baseline is what the kernel bills it, "
-        "where a page the ranks share counts once, for the rank that touched it first (charged model: the "
-        "host-shared part divided among the host's ranks). live-tensors (--live-tensors): the same row run again "
+        "autograd saves for backward on one micro-batch, parameters excluded. The JSON also keeps each rank's "
+        "cgroup v1 charge (mem_charged_peak_mib; it counts kernel memory too). live-tensors (--live-tensors): the same row run again "
         "with MALLOC_MMAP_THRESHOLD_=65536, so every large free goes back to the OS at once. Targets (issue 27): "
         "rayzero peak / model <= 1.25 at world 2, <= 1.10 at worlds 3-4; with optimizer and parameters on NVMe "
         f"peak <= {NVME_TARGET}x the plain ZeRO-3 row's.",
