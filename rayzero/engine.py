@@ -142,6 +142,8 @@ class Engine:
         # shared weights, so the optimizer updates them in place and publishing copies nothing.
         alias = (self.stage in (1, 2) and self.compute_dtype == torch.float32 and device.type == "cpu"
                  and not offload and z.offload_param.device == "none" and weights_can_be_shared(self.parallel, params))
+        deferred = (self.offload_device == "nvme" and self.stage == 3 and z.offload_param.device != "none"
+                    and bool(params) and all(hasattr(p, "_rayzero_shard") for p in params))
         self.partitions = Partitions(
             groups, names, self.parallel.domain_of, partitioned=self.stage >= 1, device=device,
             alone_from=ALIAS_ALONE_FROM if alias else None,
@@ -150,6 +152,13 @@ class Engine:
             state_device=torch.device("cpu") if offload else None,
             # pinned host memory only speeds up copies to an accelerator
             pin_memory=offload and z.offload_optimizer.pin_memory and device.type != "cpu",
+            # optimizer on NVMe: the gradient partitions live in the swap store (offload/gradients.py), and at
+            # stage 3 with parameter offload, on a model built under zero_init, the masters are built one
+            # sub-group at a time straight into it (offload/optimizer.py), from the shards (without parameter
+            # offload stage 3 may share its weights on the host, which reads the masters first; a model built
+            # whole is in memory anyway, and the gatherer frees its parameters before the swap exists)
+            swapped=self.offload_device == "nvme",
+            deferred_masters=deferred,
         )
         self.partitions.load_masters_from_params()
         give_back_now()  # with offload: the zero_init shards just freed leave the process
@@ -170,7 +179,8 @@ class Engine:
                     p.data = torch.empty(p.shape, dtype=self.compute_dtype, device=device)
                 else:
                     p.data = torch.zeros(1, dtype=self.compute_dtype, device=device).expand(p.shape)
-                del p._rayzero_shard
+                if not deferred:  # (deferred: the optimizer swap reads the shards, below)
+                    del p._rayzero_shard
 
         self.gatherer: ParamGatherer | None = None
         if self.stage == 3:
@@ -226,9 +236,6 @@ class Engine:
                 for g in self.partitions.groups:
                     for p, e in zip(g.params, g.layout.entries):
                         p.data = self.partitions.master_shard(e)[: e.numel].view(e.shape)
-        if self.gatherer is not None:
-            self.publisher.publish()  # stage 3's persistent parameters: whole, in the compute dtype
-
         self.optimizer = build_optimizer(
             self._optimizer_config(), [dict(params=[g.master], **g.overrides) for g in self.partitions.groups]
         )
@@ -249,6 +256,13 @@ class Engine:
                 g.weights = g.master.detach().to(device="cpu", dtype=self.compute_dtype, copy=True)
                 if z.offload_param.pin_memory and device.type != "cpu":
                     g.weights = self.accelerator.pin_memory(g.weights)
+        if self.gatherer is not None:
+            # stage 3's persistent parameters, whole in the compute dtype: read where the weights now live
+            # (with NVMe offload the masters were only built just above)
+            self.publisher.publish()
+        for p in params:
+            if hasattr(p, "_rayzero_shard"):  # the deferred masters' shards, read by now
+                del p._rayzero_shard
         user_groups = len(model_parameters) if model_parameters and isinstance(model_parameters[0], dict) else 1
         self.lr_scheduler = build_scheduler(
             cfg.scheduler, self.optimizer, [g.user_group for g in self.partitions.groups], user_groups

@@ -108,10 +108,11 @@ def state_bytes_per_param(
       (16 = the fp32 master, gradient and AdamW's two moments, ``4 + 4 + optimizer_bytes``.)  With ``cpu``
       stage 1 keeps no local gradient buffer: offloaded, it reduces into its partition every backward, as
       stage 2 does.
-    * ``nvme``: the fp32 master and the optimizer states are on disk.  What stays is the fp32 gradient
-      partition (``4/W``) and a compute-dtype copy of the rank's weight partition (``w/W``), which stage 3
-      gathers from and stages 1 and 2 publish from: stages 1 and 2 ``w + (4 + w)/W``, stage 3
-      ``(4 + w)/W``; with ``offload_param="nvme"`` (stage 3) the weight partition copy is on disk too.
+    * ``nvme``: the fp32 master, the optimizer states and the fp32 gradient partition are on disk (the
+      gradients go there sub-group by sub-group as they are reduced; the pools that hold the sub-groups in
+      use are ``swap_pool_bytes``, a constant per rank).  What stays is a compute-dtype copy of the rank's
+      weight partition (``w/W``), which stage 3 gathers from and stages 1 and 2 publish from: stages 1 and 2
+      ``w + w/W``, stage 3 ``w/W``; with ``offload_param="nvme"`` (stage 3) that copy is on disk too.
     * ``offload_param="cpu"`` (stage 3) keeps the weight partition in the compute dtype in host memory: + w/W.
     """
     w = _compute_bytes(mixed_precision)
@@ -130,7 +131,7 @@ def state_bytes_per_param(
     if stage == 0:
         raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3")
     copy = 0.0 if stage == 3 and offload_param == "nvme" else w / ranks
-    return StateBytes((w if stage in (1, 2) else 0) + copy, 0.0, FP32 / ranks, 0.0)
+    return StateBytes((w if stage in (1, 2) else 0) + copy, 0.0, 0.0, 0.0)
 
 
 def model_state_bytes_per_param(stage: int, world: int, mixed_precision: bool, optimizer_bytes: int = 8) -> float:
@@ -216,8 +217,8 @@ def swap_bytes_per_rank(
 ) -> int:
     """Bytes one rank keeps in its swap directory with NVMe offload.
 
-    With optimizer offload: the rank's fp32 master partition and each fp32 optimizer state tensor
-    (``optimizer_bytes / 4`` of them: AdamW 2), one file per sub-group of ``sub_group_size`` elements, each
+    With optimizer offload: the rank's fp32 master partition, its fp32 gradient partition and each fp32
+    optimizer state tensor (``optimizer_bytes / 4`` of them: AdamW 2), one file per sub-group of ``sub_group_size`` elements, each
     rounded up to whole ``block``s (the O_DIRECT unit).  ``param_bytes`` > 0 adds the rank's parameter
     partition in that many bytes per element (``offload_param`` with ``nvme``: the compute dtype's size),
     sub-grouped and rounded the same way.
@@ -239,7 +240,7 @@ def swap_bytes_per_rank(
 
     total = 0
     if offload_optimizer:
-        tensors = 1 + math.ceil(optimizer_bytes / FP32)  # the master, then each optimizer state tensor
+        tensors = 2 + math.ceil(optimizer_bytes / FP32)  # the master, its gradient, each optimizer state tensor
         total += tensors * files(FP32)
     if param_bytes:
         total += files(param_bytes)
@@ -258,15 +259,19 @@ def pool_slots(buffer_count: int, optimizer_bytes: int = 8) -> int:
 
 def swap_pool_bytes(partition_elements: int, sub_group_elements: int, buffer_count: int,
                     optimizer_bytes: int = 8) -> int:
-    """Host memory of the NVMe optimizer swap pool of one rank: ``pool_slots`` slots (never more than there
-    are sub-groups), each holding one sub-group's fp32 master and fp32 optimizer state tensors.  A constant
-    per rank, on top of ``ram_bytes_per_param``."""
+    """Host memory of the NVMe optimizer swap pools of one rank: ``pool_slots`` slots (never more than there
+    are sub-groups), each holding one sub-group's fp32 master and fp32 optimizer state tensors, and the
+    gradient pool (``offload/gradients.BUFFERS`` sub-groups' fp32 gradients, never more than there are
+    sub-groups).  A constant per rank, on top of ``ram_bytes_per_param``."""
+    from rayzero.offload.gradients import BUFFERS
+
     if partition_elements <= 0:
         return 0
     sub = max(1, min(sub_group_elements, partition_elements))
-    slots = min(pool_slots(buffer_count, optimizer_bytes), -(-partition_elements // sub))
+    groups = -(-partition_elements // sub)
+    slots = min(pool_slots(buffer_count, optimizer_bytes), groups)
     tensors = 1 + math.ceil(optimizer_bytes / FP32)
-    return slots * sub * tensors * FP32
+    return slots * sub * tensors * FP32 + min(BUFFERS, groups) * sub * FP32
 
 
 def pool_bytes(cfg, params: list[torch.Tensor], world_of) -> int:
@@ -405,11 +410,11 @@ class RankMemory:
     weights: int  # compute-dtype parameters kept whole (stages 0-2's model parameters, stage 3's persistent
     #               ones, frozen ones) and stage 3's weight partition copy (offload_param cpu, or nvme offload)
     master: int  # fp32 master partition held in memory (0 when on NVMe)
-    grads: int  # fp32 gradient partition (+ stage 1's whole local gradient buffer)
+    grads: int  # fp32 gradient partition (+ stage 1's whole local gradient buffer; 0 when on NVMe)
     optimizer: int  # optimizer state held in memory (0 when on NVMe)
     gathered: int  # stage 3: parameters gathered at once (the running unit + those gathered ahead), compute dtype
     buckets: int  # reduce buckets in flight, and stages 1-2's all-gather buckets in flight
-    swap_pool: int  # NVMe optimizer swap pool + offload_param's read pool and max_in_cpu cache
+    swap_pool: int  # NVMe optimizer swap pool and gradient pool + offload_param's read pool and max_in_cpu cache
     activations: int  # given by the caller (unknown: 0)
     device: str  # "cpu" or the accelerator kind
     reduce_bucket_size: int = 0  # the bucket sizes counted (the config's, or derived as the engine derives them)

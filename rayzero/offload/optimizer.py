@@ -10,8 +10,14 @@
   one is stepped, and writes each stepped sub-group back.  A resident copy of every sub-group's weights in
   the compute dtype (``GroupPartition.weights``) serves publishing (stages 1-2) and stage-3 gathers.
 
-Gradients are never swapped: they are reduced into the fp32 gradient partitions in host memory every
-backward (one accumulator per group, so stage 1 reduces like stage 2 under offload).
+Offloaded gradients are reduced into the fp32 gradient partitions every backward (one accumulator per
+group, so stage 1 reduces like stage 2 under offload).  With ``cpu`` they stay in host memory; with ``nvme``
+each sub-group's gradient goes to the swap store as soon as its last bucket is reduced (``gradients.py``),
+and the step reads it back with the sub-group's master and state.
+
+With ``nvme`` at stage 3 the masters are not filled at set-up: each sub-group's master is built in one pool
+buffer from the parameters (or their zero_init shards), its weights are written or copied from it, and it
+goes to the swap store before the next one is built, so no moment holds the whole master partition.
 """
 
 from __future__ import annotations
@@ -66,11 +72,27 @@ class NvmeOptimizerSwap:
         self.slot_of: dict[int, _Slot] = {}
         self.state_names: dict[int, list[str]] = {}  # per group: the state tensors it keeps on disk
         self._empty = torch.empty(0, dtype=torch.float32)
+        self.grads = partitions.grad_swap  # gradients.py: the gradient partitions, in the same store
+        build: torch.Tensor | None = None  # one buffer for the deferred masters, built one group at a time
         for gi, g in enumerate(partitions.groups):
+            numel = self._numel(gi)
+            if g.master.numel() != numel:  # deferred (Partitions(deferred_masters=True)): built here
+                from rayzero.accelerator.host_allocator import give_back_now
+                from rayzero.offload.swap_store import aligned_empty
+
+                if build is None:
+                    build = aligned_empty(max(self._numel(i) for i in range(len(partitions.groups))), torch.float32)
+                g.master.set_(build[:numel])
+                dropped = partitions.load_master_group(g, g.master)
+                if not keep_weights:
+                    partitions.refresh_weights([g])  # the shards to the parameter swap files
+                if dropped:
+                    give_back_now()
             if keep_weights:  # else the weights are in the swap files too (parameter offload)
                 g.weights = g.master.detach().to(device=weights_device, dtype=compute_dtype, copy=True)
             self.store.write(self._key(gi, "master"), g.master).result()
             g.master.set_(self._empty)
+        del build
         self._read_back: tuple[int, torch.Tensor] | None = None
         self._reverse = False  # every other step runs the sub-groups backwards: the pool's last ones go first
         self._loading: tuple | None = None  # (sub-group, slot, buffers) while a checkpoint load fills one
@@ -181,10 +203,12 @@ class NvmeOptimizerSwap:
             slot.settle_writes()
 
     # ---- the step ----------------------------------------------------------------------------------------
-    def step(self, groups: list[GroupPartition]) -> None:
+    def step(self, groups: list[GroupPartition], grad_multiplier: float | None = None) -> None:
         """Step every sub-group in turn, reading the next ones while the current one steps.  The order
         alternates from step to step, so the sub-groups stepped last, whose values are still in the pool,
-        are stepped first next time without being read again (the sub-groups are independent)."""
+        are stepped first next time without being read again (the sub-groups are independent).  Swapped
+        gradients are read ahead too, scaled by ``grad_multiplier`` when given (an optimizer that does not
+        fold the multiplier in), and spent after."""
         self.flush()  # the last step's writes had a forward and backward to finish; a failed one raises here
         n = len(groups)
         order = list(range(n - 1, -1, -1)) if self._reverse else list(range(n))
@@ -195,11 +219,18 @@ class NvmeOptimizerSwap:
             soon = set(order[i : i + 1 + ahead])
             for nxt in order[i : i + 1 + ahead]:
                 self.prefetch(nxt, soon)
+                if self.grads is not None:
+                    self.grads.prefetch(nxt)
             self.swap_in(gi)
             g = groups[gi]
-            g.master.grad = g.grad
+            grad = self.grads.acquire(gi, overwrite=False) if self.grads is not None else g.grad
+            if grad_multiplier is not None:
+                grad.mul_(grad_multiplier)
+            g.master.grad = grad
             self.optimizer.step()
             g.master.grad = None
+            if self.grads is not None:
+                self.grads.discard(gi)
             self.partitions.refresh_weights([g])
             self.swap_out(gi)
         # The last writes finish during the next forward and backward: the next step settles them before it

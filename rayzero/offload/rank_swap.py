@@ -1,7 +1,8 @@
 """The rank's NVMe swap: its directory (leased), its store, and what the engine keeps there.
 
 With ``offload_optimizer`` on NVMe the fp32 masters (and the optimizer state after each step) live in the
-swap files (``optimizer.py``); with ``offload_param`` on NVMe, stage 3's compute-dtype weight shards
+swap files (``optimizer.py``), and so do the fp32 gradient partitions between backward and step
+(``gradients.py``); with ``offload_param`` on NVMe, stage 3's compute-dtype weight shards
 (``params.py``).  One directory and one store per rank serve both.
 """
 
@@ -44,6 +45,9 @@ class RankSwap:
                     largest_shard=largest)
                 partitions.refresh_weights()  # every shard written once from the masters
             if optimizer_nvme:
+                from rayzero.offload.gradients import GradientSwap
+
+                GradientSwap(partitions, self.store)  # the gradient partitions too (gradients.py)
                 self.optimizer_swap = NvmeOptimizerSwap(
                     partitions, optimizer, self.store,
                     pool_slots(z.offload_optimizer.buffer_count, optimizer_state_bytes(cfg)), compute_dtype,
@@ -65,10 +69,10 @@ class RankSwap:
 
 def swap_bytes(partitions: Partitions, optimizer_bytes: int, compute_dtype: torch.dtype, optimizer_nvme: bool,
                params_nvme: bool) -> int:
-    """What the swap files will hold: per sub-group the master and the optimizer's fp32 state tensors, and
-    per parameter its compute-dtype shard, each padded to whole O_DIRECT blocks."""
+    """What the swap files will hold: per sub-group the master, its gradient and the optimizer's fp32 state
+    tensors, and per parameter its compute-dtype shard, each padded to whole O_DIRECT blocks."""
     padded = lambda nbytes: -(-nbytes // ALIGNMENT) * ALIGNMENT
-    tensors = 1 + optimizer_bytes // 4
+    tensors = 2 + optimizer_bytes // 4
     size = torch.finfo(compute_dtype).bits // 8
     total = 0
     for g in partitions.groups:

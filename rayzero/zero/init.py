@@ -16,6 +16,8 @@ All ranks must build the model with the same code and the same RNG state (``seed
 from __future__ import annotations
 
 import contextlib
+import os
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -26,8 +28,98 @@ from rayzero.comm import Communicator, init_distributed
 from rayzero.zero.layout import ceil_div
 
 
+class _ShardFiles:
+    """A swap store of zero_init's own under the config's NVMe path: one file per shard until the engine has
+    read it into the master (the file goes with its handle), the directory once the context has exited and
+    the last shard is gone (or at process exit)."""
+
+    def __init__(self, path: str, rank: int):
+        import tempfile
+
+        from rayzero.offload.swap_store import SwapStore
+
+        os.makedirs(path, exist_ok=True)
+        self.directory = tempfile.mkdtemp(prefix=f"rayzero-zero-init-rank{rank}-", dir=path)
+        self.store = SwapStore(self.directory)
+        self.count = 0
+        self.live = 0
+        self.sealed = False  # the zero_init context has exited: no more shards
+        self._closer = weakref.finalize(self, _close_shard_files, self.store, self.directory)
+
+    def write(self, shard: torch.Tensor) -> "SwappedShard":
+        self.count += 1
+        self.live += 1
+        key = f"shard{self.count}"
+        self.store.write(key, shard).result()
+        return SwappedShard(self, key, shard.numel())
+
+    def dropped(self, key: str) -> None:
+        self.live -= 1
+        try:
+            self.store.remove(key)
+        except Exception:  # the store was closed first (process exit): its files went with it
+            pass
+        self._close_if_done()
+
+    def seal(self) -> None:
+        self.sealed = True
+        self._close_if_done()
+
+    def _close_if_done(self) -> None:
+        if self.sealed and self.live == 0:
+            self._closer()
+
+
+def _close_shard_files(store, directory: str) -> None:
+    store.close(remove_files=True)
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass
+
+
+class SwappedShard:
+    """A zero_init shard kept in a file (``zero_init(config=...)`` with NVMe offload), not in memory: what
+    ``p._rayzero_shard`` holds then.  ``read_into`` fills a tensor with it; the file goes with the handle."""
+
+    def __init__(self, files: _ShardFiles, key: str, numel: int):
+        self._files, self._key, self._numel = files, key, numel
+        weakref.finalize(self, files.dropped, key)
+
+    def numel(self) -> int:
+        return self._numel
+
+    def read_into(self, out: torch.Tensor) -> None:
+        self._files.store.read(self._key, out).result()
+
+    def load(self, device: torch.device) -> torch.Tensor:
+        from rayzero.offload.swap_store import aligned_empty
+
+        out = aligned_empty(self._numel, torch.float32)
+        self.read_into(out)
+        return out.to(device)
+
+
+def _nvme_path(config: Any) -> str | None:
+    """Where zero_init keeps its shards: the config's NVMe path, when it offloads parameters or the
+    optimizer to NVMe (parameters first, as the engine's swap does), else None (in memory)."""
+    if config is None:
+        return None
+    from rayzero.config import Config, ConfigError
+
+    try:
+        z = Config.from_any(config).zero_optimization
+    except ConfigError:  # initialize reads the same config and says what is wrong with it
+        return None
+    if z.offload_param.device == "nvme":
+        return z.offload_param.nvme_path
+    if z.offload_optimizer.device == "nvme":
+        return z.offload_optimizer.nvme_path
+    return None
+
+
 class _ShardState:
-    def __init__(self, comm: Communicator):
+    def __init__(self, comm: Communicator, nvme_path: str | None = None):
         from rayzero.accelerator import get_accelerator
 
         self.comm = comm
@@ -36,6 +128,8 @@ class _ShardState:
         acc = get_accelerator()
         # shards live where the engine's partitions and the group's collectives will want them
         self.device = torch.device("cpu") if acc.name == "cpu" else acc.device()
+        # with NVMe offload, in files until the engine reads them (the rank never holds them all)
+        self.files = _ShardFiles(nvme_path, self.rank) if nvme_path else None
 
     @torch.no_grad()
     def shard(self, p: torch.nn.Parameter) -> None:
@@ -44,8 +138,16 @@ class _ShardState:
         flat = p.detach().reshape(-1)
         start = min(self.rank * chunk, numel)
         end = min(start + chunk, numel)
-        shard = torch.zeros(chunk, dtype=torch.float32, device=self.device)
-        shard[: end - start].copy_(flat[start:end])
+        if self.files is not None:
+            from rayzero.offload.swap_store import aligned_empty
+
+            buf = aligned_empty(chunk, torch.float32)  # zero-filled by the kernel: the padding is zero
+            buf[: end - start].copy_(flat[start:end])
+            shard = self.files.write(buf)
+            del buf
+        else:
+            shard = torch.zeros(chunk, dtype=torch.float32, device=self.device)
+            shard[: end - start].copy_(flat[start:end])
         # A one-element stand-in keeps the shape; writing to it raises instead of corrupting anything.
         # (Mark the parameter only afterwards: the assignment is itself a torch call the mode sees.)
         p.data = torch.zeros(1, dtype=p.dtype).expand(p.shape)
@@ -54,6 +156,8 @@ class _ShardState:
     @torch.no_grad()
     def materialize(self, p: torch.nn.Parameter) -> None:
         shard = p._rayzero_shard
+        if isinstance(shard, SwappedShard):
+            shard = shard.load(self.device)
         chunk = shard.numel()
         rows = torch.empty((self.world, chunk), dtype=torch.float32, device=shard.device)
         self.comm.all_gather(rows, shard).wait()
@@ -100,8 +204,10 @@ def zero_init(seed: int | None = None, config: Any = None) -> Iterator[None]:
     ``config``: the training config (a dict, a path to a JSON file, or a ``Config``), as DeepSpeed's
     ``zero.Init(config_dict_or_path=...)`` takes it.  Where it offloads the optimizer or the parameters, the
     host allocator gives freed memory back from here on (rayzero/accelerator/host_allocator.py), so the
-    full-size weights each module builds before it is sharded do not stay in the heap.  The shards are
-    still built in memory; the engine moves them where the config keeps them.
+    full-size weights each module builds before it is sharded do not stay in the heap.  Where it offloads
+    the parameters or the optimizer to NVMe, each shard is written to a file under that ``nvme_path`` as
+    it is made (as DeepSpeed's ``zero.Init(remote_device="nvme")`` keeps them there), so the rank never holds
+    its shards: the engine reads each into its master and the file goes.
     """
     if config is not None:
         from rayzero.accelerator.host_allocator import configure_host_allocator
@@ -114,7 +220,7 @@ def zero_init(seed: int | None = None, config: Any = None) -> Iterator[None]:
         if z is not None and (z.offload_optimizer.device in ("cpu", "nvme") or z.offload_param.device != "none"):
             configure_host_allocator(True)
     init_distributed()
-    state = _ShardState(Communicator.for_group(None))
+    state = _ShardState(Communicator.for_group(None), _nvme_path(config))
     if seed is not None:
         torch.manual_seed(seed)
 
@@ -164,6 +270,8 @@ def zero_init(seed: int | None = None, config: Any = None) -> Iterator[None]:
         with _GatherOnUse(state):
             yield
     finally:
+        if state.files is not None:
+            state.files.seal()  # its directory goes once the engine has read the last shard
         for cls, original in wrapped.items():
             cls.__init__ = original
         if original_init_subclass is None:

@@ -100,6 +100,8 @@ class Partitions:
         state_device: torch.device | None = None,
         pin_memory: bool = False,
         alone_from: int | None = None,
+        swapped: bool = False,
+        deferred_masters: bool = False,
     ):
         if isinstance(domain_of, Communicator):
             domain_of = single_domain(domain_of)
@@ -110,6 +112,12 @@ class Partitions:
         self._host_scalar: torch.Tensor | None = None  # pinned slot for the offloaded norm part
         self.partitioned = partitioned
         self.param_swap = None  # offload/params.py NvmeParamSwap, with offload_param on NVMe
+        # offload/gradients.py GradientSwap, with the optimizer on NVMe (``swapped``): the gradient partitions
+        # live in the swap store between backward and step, so none is allocated here
+        self.grad_swap = None
+        # ``deferred_masters``: the masters are filled and written to the swap store one group at a time by the
+        # optimizer swap (offload/optimizer.py), so no moment holds the whole master partition: each is an empty
+        # placeholder here (the optimizer is built over it; the swap gives it storage while it steps)
         # reads a swapped-out group's fp32 master (offload/optimizer.py), for exports between steps
         self.master_reader: Callable[[int], torch.Tensor] | None = None
         self.groups: list[GroupPartition] = []
@@ -133,8 +141,14 @@ class Partitions:
                     # the master is left unwritten: load_masters_from_params writes every element of it (each
                     # shard zero padded), so its pages are first touched there, as the zero_init shards it copies
                     # are dropped one by one (no moment holds a whole zeroed master beside every shard)
-                    master = self._zeros(layout.partition_numel, pin_memory, zero=False)
-                    grad = self._zeros(layout.partition_numel, pin_memory)
+                    if deferred_masters:
+                        master = torch.empty(0, dtype=torch.float32, device=self.state_device)
+                    else:
+                        master = self._zeros(layout.partition_numel, pin_memory, zero=False)
+                    if swapped:
+                        grad = torch.empty(0, dtype=torch.float32, device=self.state_device)
+                    else:
+                        grad = self._zeros(layout.partition_numel, pin_memory)
                     self.groups.append(GroupPartition(layout, run, master, grad, domain, ui, dict(overrides)))
                     for p, e in zip(run, layout.entries):
                         self.entry_of[p] = e
@@ -171,35 +185,51 @@ class Partitions:
             self.param_swap.prefetch(entries)
 
     def grad_shard(self, entry: ParamEntry) -> torch.Tensor:
-        return self.group_of(entry).grad[entry.partition_offset : entry.partition_offset + entry.chunk]
+        g = self.group_of(entry)
+        grad = g.grad
+        if self.grad_swap is not None and not self.grad_swap.resident(entry.group_index):
+            grad = self.grad_swap.read(entry.group_index)  # between backward and step: in the swap store
+        return grad[entry.partition_offset : entry.partition_offset + entry.chunk]
 
     @torch.no_grad()
     def load_masters_from_params(self) -> None:
         """Fill the fp32 masters from the parameters' current values (or their zero_init shards): every
-        element, padding included (the masters are allocated unwritten; the engine calls this right after)."""
+        element, padding included (the masters are allocated unwritten; the engine calls this right after).
+        Groups whose master is deferred (``deferred_masters``) are left to the optimizer swap."""
         from rayzero.accelerator.host_allocator import give_back_now
 
         for g in self.groups:
-            dropped = False
-            for p, e in zip(g.params, g.layout.entries):
-                out = g.master[e.partition_offset : e.partition_offset + e.chunk]
-                pre_sharded = getattr(p, "_rayzero_shard", None)
-                if pre_sharded is not None:
-                    if pre_sharded.numel() != e.chunk:
-                        raise RuntimeError(
-                            f"parameter {e.name!r} was sharded by rayzero.zero_init for a world of a "
-                            f"different size (shard of {pre_sharded.numel()} elements, expected {e.chunk}); "
-                            "build the model under zero_init in the same process group it trains in"
-                        )
-                    out.copy_(pre_sharded)
-                    # the master holds it now: drop the shard at once, so that the rank never holds every
-                    # shard and the whole master together (the empty tensor still marks a zero_init parameter)
-                    p._rayzero_shard = pre_sharded.new_empty(0)
-                    dropped = True
-                else:
-                    shard_of(p.detach().reshape(-1).float(), e, g.rank, out)
-            if dropped:  # with offload, the shards just dropped leave the process group by group
+            if g.master.numel() != g.layout.partition_numel:
+                continue
+            if self.load_master_group(g, g.master):  # with offload, the shards just dropped leave the process
                 give_back_now()
+
+    @torch.no_grad()
+    def load_master_group(self, g: GroupPartition, master: torch.Tensor) -> bool:
+        """Write group ``g``'s fp32 master into ``master`` (``partition_numel`` elements) from its parameters
+        or their zero_init shards, dropping each shard once copied; returns whether any shard was dropped."""
+        dropped = False
+        for p, e in zip(g.params, g.layout.entries):
+            out = master[e.partition_offset : e.partition_offset + e.chunk]
+            pre_sharded = getattr(p, "_rayzero_shard", None)
+            if pre_sharded is not None:
+                if pre_sharded.numel() != e.chunk:
+                    raise RuntimeError(
+                        f"parameter {e.name!r} was sharded by rayzero.zero_init for a world of a "
+                        f"different size (shard of {pre_sharded.numel()} elements, expected {e.chunk}); "
+                        "build the model under zero_init in the same process group it trains in"
+                    )
+                if hasattr(pre_sharded, "read_into"):  # written to NVMe by zero_init (zero/init.py)
+                    pre_sharded.read_into(out)
+                else:
+                    out.copy_(pre_sharded)
+                # the master holds it now: drop the shard at once, so that the rank never holds every
+                # shard and the whole master together (the empty tensor still marks a zero_init parameter)
+                p._rayzero_shard = torch.empty(0, dtype=torch.float32)
+                dropped = True
+            else:
+                shard_of(p.detach().reshape(-1).float(), e, g.rank, out)
+        return dropped
 
     @torch.no_grad()
     def refresh_weights(self, groups: list[GroupPartition] | None = None) -> None:
@@ -248,6 +278,9 @@ class Partitions:
                 g.comm.settle_reads()
 
     def zero_grads(self) -> None:
+        if self.grad_swap is not None:
+            self.grad_swap.forget()
+            return
         for g in self.groups:
             g.grad.zero_()
 
@@ -262,9 +295,13 @@ class Partitions:
         """
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         on_host = None  # offloaded gradients live on the host: their part is summed there
-        for g in self.groups:
+        for gi, g in enumerate(self.groups):
             counted = whole_on_every_rank or (g.domain.primary and (g.world > 1 or g.domain.comm.rank == 0))
-            if counted and g.grad.numel():
+            if counted and self.grad_swap is not None:  # swapped out: its sum of squares was taken at the write
+                sq = self.grad_swap.sq_sum(gi)
+                if sq is not None:
+                    on_host = sq if on_host is None else on_host + sq
+            elif counted and g.grad.numel():
                 sq = torch.dot(g.grad, g.grad)
                 if sq.device == total.device:
                     total += sq

@@ -146,6 +146,12 @@ class GradientReducer:
         for b in self.buckets:
             for p in b.params:
                 self.bucket_of[p] = b
+        # gradients swapped to NVMe (offload/gradients.py): each group's buckets, and how many of them this
+        # backward has settled (the group is written out after its last one)
+        self._group_buckets: dict[int, list[Bucket]] = {}
+        for b in self.buckets:
+            self._group_buckets.setdefault(b.group.layout.group_index, []).append(b)
+        self._settled: dict[int, int] = {}
         self.accumulate_locally = stage in (0, 1)
         self._pool: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}  # freed flat buffers, for reuse
         self._regions = self._expose_regions() if stage >= 1 else {}
@@ -307,6 +313,10 @@ class GradientReducer:
         if self.stage == 0:
             b.handle = b.group.comm.all_reduce(send)
         else:
+            swap = self.partitions.grad_swap
+            if swap is not None:  # the group's gradient partition comes back from the swap store
+                gi = b.group.layout.group_index
+                swap.acquire(gi, overwrite=all(x.partition_stale for x in self._group_buckets[gi]))
             grad = b.group.grad[b.part_slice]
             b.out_is_partition = (b.partition_stale and grad.dtype == self.comm_dtype
                                   and grad.device == send.device)
@@ -340,6 +350,13 @@ class GradientReducer:
             b.written.clear()  # the next window overwrites the rows instead of zeroing them now
         elif self.stage >= 2:
             self._drop_rows(b)  # the full-size gradient dies with its bucket
+        if self.partitions.grad_swap is not None and self.stage >= 1:
+            gi = b.group.layout.group_index
+            self._settled[gi] = self._settled.get(gi, 0) + 1
+            if self._settled[gi] == len(self._group_buckets[gi]):  # the group's last bucket: write it out
+                del self._settled[gi]
+                self.drain()  # (offload to the host from an accelerator: its copies are added first)
+                self.partitions.grad_swap.release(gi)
 
     def _copy_to_host(self, b: Bucket, grad: torch.Tensor) -> None:
         """Queue the copy of ``b``'s reduced slice into its pinned host buffer on the side stream."""
@@ -401,6 +418,7 @@ class GradientReducer:
         for b in self.buckets:  # readiness is per backward; unreduced gradients stay in the local buffers
             b.ready.clear()
             b.launched = False
+        self._settled.clear()
 
     def forget(self) -> None:
         """After a step (stages 1-3): the gradient partitions' content is spent; the next window's first
@@ -409,16 +427,31 @@ class GradientReducer:
         if self.stage >= 1:
             for b in self.buckets:
                 b.partition_stale = True
+        if self.partitions.grad_swap is not None:
+            self.partitions.grad_swap.forget()
 
     @torch.no_grad()
     def zero_stale(self) -> None:
         """Before the partitions are read (the step, the norm): zero the slices no reduction of this window
         reached (every slice, when the window had no reducing backward)."""
         self.drain()
+        swap = self.partitions.grad_swap
+        back: set[int] = set()  # swapped groups read back to zero some slices, written out again after
+        untouched = {gi for gi, bs in self._group_buckets.items() if all(x.partition_stale for x in bs)}
         for b in self.buckets:
             if b.partition_stale:
+                gi = b.group.layout.group_index
+                if swap is not None and not swap.resident(gi):
+                    if gi in untouched:
+                        b.partition_stale = False  # nothing of this window: the swap counts the group as zero
+                        swap.discard(gi)
+                        continue
+                    swap.acquire(gi, overwrite=False)  # (a failed backward reached only some of its buckets)
+                    back.add(gi)
                 b.group.grad[b.part_slice].zero_()
                 b.partition_stale = False
+        for gi in back:
+            swap.release(gi)
 
     def zero_local(self) -> None:
         """Drop gradients accumulated locally but not yet reduced (stages 0 and 1)."""

@@ -37,14 +37,15 @@ def update(optimizer: torch.optim.Optimizer, partitions: Partitions, swap, multi
     A fused optimizer (torch's fused AdamW, rayzero's default) divides the gradients by its ``grad_scale`` as
     it reads them: the multiplier rides along instead of costing a pass of its own."""
     fold = multiplier != 1.0 and folds_grad_scale(optimizer)
-    if multiplier != 1.0 and not fold:
+    scale_each = multiplier != 1.0 and not fold
+    if scale_each and partitions.grad_swap is None:  # (swapped gradients are scaled as each is read back)
         for g in partitions.groups:
             g.grad.mul_(multiplier)
     if fold:
         optimizer.grad_scale = _grad_scale(optimizer, 1.0 / multiplier, partitions.state_device)
     try:
         if swap is not None:
-            swap.step(partitions.groups)
+            swap.step(partitions.groups, multiplier if scale_each and partitions.grad_swap is not None else None)
         else:
             for g in partitions.groups:
                 g.master.grad = g.grad
