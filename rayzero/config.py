@@ -196,7 +196,7 @@ class ZeroConfig(_Section):
     # stage 3 where a communicator's ranks share one host: keep one copy of the weights they all map instead
     # of gathering (zero/stage3.py).  None: where that costs no more memory than gathering
     stage3_share_weights: bool | None = None
-    # None: 1e9 elements, or with NVMe optimizer offload 1/16 of the rank's partition (offload/optimizer.py)
+    # None: 1e9 elements, or with NVMe optimizer offload the size at which the swap pools hold 1/8 of the rank's partition (rayzero/memory.py)
     sub_group_size: int | None = None
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)

@@ -52,14 +52,26 @@ def optimizer_state_bytes(cfg) -> int:
 
 def sub_group_size(cfg, partition_elements: int, nvme: bool) -> int:
     """``zero_optimization.sub_group_size``, or when it is left out: 1e9 elements (one sub-group per param
-    group in practice), and with the optimizer on NVMe 1/16 of the rank's partition, within 1e6..1e8
-    elements, so the swap pool (``pool_slots`` sub-groups) stays a small part of what offload saves."""
+    group in practice), and with the optimizer on NVMe the size at which the swap pools (``pool_slots``
+    slots of the master and each optimizer state tensor, and the gradient pool) hold at most 1/8 of the
+    rank's partition, within 1e6..1e8 elements: the pools are what stays in memory of what offload moves
+    out, so they must stay a small part of it (``swap_pool_bytes``)."""
     chosen = cfg.zero_optimization.sub_group_size
     if chosen is not None:
         return chosen
     if not nvme:
         return 1_000_000_000
-    return min(100_000_000, max(1_000_000, -(-partition_elements // 16)))
+    return min(100_000_000, max(1_000_000, -(-partition_elements // (8 * pool_sub_groups(cfg)))))
+
+
+def pool_sub_groups(cfg) -> int:
+    """Sub-groups' worth of fp32 tensors the NVMe pools hold at once: ``pool_slots`` slots of the master and
+    each optimizer state tensor, and the gradient pool's buffers (AdamW, the default buffer_count: 2 x 3 + 3)."""
+    from rayzero.offload.gradients import BUFFERS
+
+    opt = optimizer_state_bytes(cfg)
+    tensors = 1 + math.ceil(opt / FP32)
+    return pool_slots(cfg.zero_optimization.offload_optimizer.buffer_count, opt) * tensors + BUFFERS
 
 
 def _compute_bytes(mixed_precision: bool) -> int:

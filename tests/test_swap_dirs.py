@@ -142,16 +142,16 @@ def test_pid_alive_checks_the_start_time():
 
 # ---- plan.py ------------------------------------------------------------------------------------------
 def test_swap_bytes_per_rank():
-    # 8M parameters over 4 ranks: 2M elements each; master + 2 AdamW moments, 8 MiB each (whole blocks)
-    assert swap_bytes_per_rank(8 * MIB, 2, 4) == 3 * 8 * MIB
-    assert swap_bytes_per_rank(8 * MIB, 2, 4, optimizer_bytes=12) == 4 * 8 * MIB  # amsgrad: 3 states
-    assert swap_bytes_per_rank(8 * MIB, 2, 4, optimizer_bytes=0) == 8 * MIB  # SGD: the master only
+    # 8M parameters over 4 ranks: 2M elements each; master, gradient and 2 AdamW moments, 8 MiB each (whole blocks)
+    assert swap_bytes_per_rank(8 * MIB, 2, 4) == 4 * 8 * MIB
+    assert swap_bytes_per_rank(8 * MIB, 2, 4, optimizer_bytes=12) == 5 * 8 * MIB  # amsgrad: 3 states
+    assert swap_bytes_per_rank(8 * MIB, 2, 4, optimizer_bytes=0) == 2 * 8 * MIB  # SGD: the master and gradient
     # each sub-group's file rounds up to the block: 10 elements in sub-groups of 4 -> 4, 4, 2 -> 3 blocks
-    assert swap_bytes_per_rank(10, 1, 1, block=4096, sub_group_size=4) == 3 * 3 * 4096
-    assert swap_bytes_per_rank(10, 1, 1, block=1, sub_group_size=4) == 3 * 10 * 4
+    assert swap_bytes_per_rank(10, 1, 1, block=4096, sub_group_size=4) == 4 * 3 * 4096
+    assert swap_bytes_per_rank(10, 1, 1, block=1, sub_group_size=4) == 4 * 10 * 4
     # stage 0 is not partitioned; the parameter partition in the compute dtype with offload_param
-    assert swap_bytes_per_rank(100, 0, 4, block=1) == 3 * 100 * 4
-    assert swap_bytes_per_rank(100, 3, 4, block=1, param_bytes=2) == 3 * 25 * 4 + 25 * 2
+    assert swap_bytes_per_rank(100, 0, 4, block=1) == 4 * 100 * 4
+    assert swap_bytes_per_rank(100, 3, 4, block=1, param_bytes=2) == 4 * 25 * 4 + 25 * 2
     assert swap_bytes_per_rank(100, 3, 4, block=1, param_bytes=2, offload_optimizer=False) == 25 * 2
     assert swap_bytes_per_rank(0, 3, 4) == 0
 
@@ -170,14 +170,16 @@ def test_ram_bytes_without_offload_and_with_cpu_are_the_memory_table(stage, mixe
             assert ram_bytes_per_param(stage, world, mixed, opt, "cpu") == pytest.approx(cpu)
 
 
-def test_ram_bytes_with_nvme_keep_the_gradient_and_a_compute_dtype_weight_partition():
+def test_ram_bytes_with_nvme_keep_a_compute_dtype_weight_partition():
+    """With the optimizer on NVMe the master, its state and the gradient partition are on disk (the pools
+    that hold the sub-groups in use are counted apart: swap_pool_bytes)."""
     W = 4
-    assert ram_bytes_per_param(1, W, False, 8, "nvme") == pytest.approx(4 + (4 + 4) / W)
-    assert ram_bytes_per_param(2, W, False, 8, "nvme") == pytest.approx(4 + (4 + 4) / W)
-    assert ram_bytes_per_param(2, W, True, 8, "nvme") == pytest.approx(2 + (4 + 2) / W)
-    assert ram_bytes_per_param(3, W, False, 8, "nvme") == pytest.approx((4 + 4) / W)
-    assert ram_bytes_per_param(3, W, True, 12, "nvme") == pytest.approx((4 + 2) / W)  # moments are on disk
-    assert ram_bytes_per_param(3, W, True, 8, "nvme", offload_param="nvme") == pytest.approx(4 / W)
+    assert ram_bytes_per_param(1, W, False, 8, "nvme") == pytest.approx(4 + 4 / W)
+    assert ram_bytes_per_param(2, W, False, 8, "nvme") == pytest.approx(4 + 4 / W)
+    assert ram_bytes_per_param(2, W, True, 8, "nvme") == pytest.approx(2 + 2 / W)
+    assert ram_bytes_per_param(3, W, False, 8, "nvme") == pytest.approx(4 / W)
+    assert ram_bytes_per_param(3, W, True, 12, "nvme") == pytest.approx(2 / W)  # moments are on disk
+    assert ram_bytes_per_param(3, W, True, 8, "nvme", offload_param="nvme") == 0
     for stage in (1, 2, 3):
         assert ram_bytes_per_param(stage, W, False, 8, "nvme") < ram_bytes_per_param(stage, W, False, 8, "none")
     with pytest.raises(ValueError):
@@ -229,9 +231,10 @@ def test_auto_offload_is_decided_on_the_node_reports():
     from rayzero.train.offload_check import resolve_auto
 
     two = ClusterConfig.from_any({"workers": (2, 4)})
-    # stage 3 on 2 workers: 8 GiB of model state each in memory; with the optimizer on NVMe 4 GiB, plus a
-    # swap pool of 2 sub-groups (buffer_count 4 tensor buffers, 3 per sub-group, at least 2) of 2**25 elements
-    # (one layer's partition) x 12 bytes (master, 2 moments)
+    # stage 3 on 2 workers: 8 GiB of model state each in memory; with the optimizer on NVMe 2 GiB (the
+    # weight partition copy), plus a swap pool of 2 sub-groups (buffer_count 4 tensor buffers, 3 per
+    # sub-group, at least 2) of 2**25 elements (one layer's partition) x 12 bytes (master, 2 moments) and the
+    # gradient pool's 3 x 2**25 elements x 4 bytes
     cfg = _cfg("auto")
     note = resolve_auto(_gib_model(), cfg, two, _nodes(10, 10))
     assert cfg.zero_optimization.offload_optimizer.device == "none"
@@ -241,7 +244,7 @@ def test_auto_offload_is_decided_on_the_node_reports():
     cfg = _cfg("auto")
     note = resolve_auto(_gib_model(), cfg, two, _nodes(6, 6))
     assert cfg.zero_optimization.offload_optimizer.device == "nvme"
-    assert "auto -> nvme" in note and "which do not fit; with the optimizer on NVMe they need 4.75 GiB" in note
+    assert "auto -> nvme" in note and "which do not fit; with the optimizer on NVMe they need 3.12 GiB" in note
     _check_fits(_gib_model(), cfg, two, _nodes(6, 6))  # fits only because of NVMe, and passes
     with pytest.raises(rayzero.ConfigError, match="or offload the optimizer to NVMe"):
         _check_fits(_gib_model(), _cfg("none"), two, _nodes(6, 6))
@@ -265,17 +268,17 @@ def test_swap_that_cannot_fit_a_nodes_disk_is_refused():
 
     model, cfg = _gib_model(), _cfg("nvme")
     per_rank = swap_bytes(model, cfg, 2)
-    assert per_rank == swap_bytes_per_rank(2**30, 3, 2)  # 3 x 2 GiB: master and AdamW's two moments
-    assert per_rank == 6 * GIB
+    assert per_rank == swap_bytes_per_rank(2**30, 3, 2)  # 4 x 2 GiB: master, gradient and AdamW's two moments
+    assert per_rank == 8 * GIB
     cap = {"a" * 20: {"hostname": "n0", "path": "/nvme/rayzero-swap/run", "free_bytes": 13 * GIB, "error": None},
            "b" * 20: {"hostname": "n1", "path": "/nvme/rayzero-swap/run", "free_bytes": 11 * GIB, "error": None}}
     slots = {"a" * 20: ("10.0.0.1", 1), "b" * 20: ("10.0.0.2", 2)}
     with pytest.raises(rayzero.ConfigError) as e:
-        check_swap_fits(model, cfg, [2, 4], slots, cap)  # n1 hosts 2 ranks of world 2: 12 GiB > 11 GiB
+        check_swap_fits(model, cfg, [2, 4], slots, cap)  # n1 hosts 2 ranks of world 2: 16 GiB > 11 GiB
     msg = str(e.value)
     assert msg.startswith("the NVMe swap does not fit on node n1 (bbbbbbbbbbbb): 2 rank(s) there at world size 2 "
-                          f"keep {6 * GIB:,} bytes each")
-    assert f"12.00 GiB ({12 * GIB:,} bytes) under /nvme/rayzero-swap/run, and that disk has 11.00 GiB" in msg
+                          f"keep {8 * GIB:,} bytes each")
+    assert f"16.00 GiB ({16 * GIB:,} bytes) under /nvme/rayzero-swap/run, and that disk has 11.00 GiB" in msg
     assert "point nvme_path at a bigger local disk" in msg
     check_swap_fits(model, cfg, [2, 4], {**slots, "b" * 20: ("10.0.0.2", 1)}, cap)  # one rank each: fits
     cap["a" * 20]["error"] = "PermissionError: no"
@@ -303,14 +306,18 @@ def test_nvme_paths_become_absolute_and_must_agree():
 def test_swap_pool_bytes_counts_the_slots_a_step_keeps_in_memory():
     from rayzero.memory import swap_pool_bytes
 
-    # 4 slots of a 1e6-element sub-group, each with the fp32 master and AdamW's two moments
+    # 4 slots of a 1e6-element sub-group, each with the fp32 master and AdamW's two moments, and the gradient
+    # pool's 3 buffers of a sub-group's fp32 gradient
     # buffer_count counts tensor buffers (DeepSpeed's meaning): a slot takes the master and each state tensor
-    assert swap_pool_bytes(16_000_000, 1_000_000, 4, 8) == 2 * 1_000_000 * 3 * 4  # 4 // 3 -> at least 2 slots
-    assert swap_pool_bytes(16_000_000, 1_000_000, 12, 8) == 4 * 1_000_000 * 3 * 4
-    assert swap_pool_bytes(16_000_000, 1_000_000, 24, 12) == 6 * 1_000_000 * 4 * 4  # amsgrad: a third state
-    assert swap_pool_bytes(16_000_000, 1_000_000, 1, 0) == 2 * 1_000_000 * 4  # never fewer than 2 slots (SGD)
-    assert swap_pool_bytes(2_500_000, 1_000_000, 12, 8) == 3 * 1_000_000 * 12  # no more slots than sub-groups
-    assert swap_pool_bytes(500, 1_000_000, 4, 8) == 500 * 12  # one sub-group smaller than sub_group_size
+    grads = 3 * 1_000_000 * 4
+    assert swap_pool_bytes(16_000_000, 1_000_000, 4, 8) == 2 * 1_000_000 * 3 * 4 + grads  # 4 // 3 -> 2 slots
+    assert swap_pool_bytes(16_000_000, 1_000_000, 12, 8) == 4 * 1_000_000 * 3 * 4 + grads
+    assert swap_pool_bytes(16_000_000, 1_000_000, 24, 12) == 6 * 1_000_000 * 4 * 4 + grads  # amsgrad: a third state
+    assert swap_pool_bytes(16_000_000, 1_000_000, 1, 0) == 2 * 1_000_000 * 4 + grads  # never fewer than 2 slots
+    # no more slots, and no more gradient buffers, than sub-groups
+    assert swap_pool_bytes(2_500_000, 1_000_000, 12, 8) == 3 * 1_000_000 * 12 + grads
+    assert swap_pool_bytes(1_500_000, 1_000_000, 12, 8) == 2 * 1_000_000 * 12 + 2 * 1_000_000 * 4
+    assert swap_pool_bytes(500, 1_000_000, 4, 8) == 500 * 16  # one sub-group smaller than sub_group_size
     assert swap_pool_bytes(0, 1_000_000, 4, 8) == 0
 
 
@@ -326,8 +333,12 @@ def test_nvme_start_up_check_counts_the_swap_pool():
         "device": "nvme", "nvme_path": "/nvme", "buffer_count": 15}}})
     params = [torch.empty(4000, 1000, device="meta") for _ in range(8)]  # 32M elements, 8M per rank of 4
     sub = sub_group_size(cfg, 8_000_000, nvme=True)
-    assert sub == 1_000_000  # 1/16 of the partition, at least 1e6
-    # a parameter's partition (1M) is one sub-group: 15 buffers make 5 slots of 1M elements x 12 bytes
-    assert pool_bytes(cfg, params, lambda p: 4) == swap_pool_bytes(8_000_000, 1_000_000, 15, 8) == 5 * 12_000_000
+    assert sub == 1_000_000  # at least 1e6 (the pools' 1/8 of the partition, over 5 x 3 + 3 sub-groups, is less)
+    # 400M elements per rank: the pools (18 sub-groups' worth) hold 1/8 of the partition
+    assert sub_group_size(cfg, 400_000_000, nvme=True) == -(-400_000_000 // (8 * 18))
+    # a parameter's partition (1M) is one sub-group: 15 buffers make 5 slots of 1M elements x 12 bytes, and
+    # the gradient pool 3 x 1M x 4 bytes
+    assert pool_bytes(cfg, params, lambda p: 4) == swap_pool_bytes(8_000_000, 1_000_000, 15, 8) == \
+        5 * 12_000_000 + 3 * 4_000_000
     big = [torch.empty(32_000_000, device="meta")]  # one parameter: its whole partition is one sub-group
-    assert pool_bytes(cfg, big, lambda p: 4) == 8_000_000 * 12
+    assert pool_bytes(cfg, big, lambda p: 4) == 8_000_000 * 16
