@@ -320,16 +320,21 @@ def backend_refuses_host_tensors(rank: int, world: int) -> dict:
     return {"device": str(summed.device), "summed": summed.cpu(), "refused": refused}
 
 
-def device_training(rank: int, world: int, stage: int, on_device: bool, ckpt: str, offload: bool = False) -> dict:
+def device_training(rank: int, world: int, stage: int, on_device: bool, ckpt: str, offload: bool | str = False) -> dict:
     """Three steps of two micro-batches with clipping, a save, a load into a fresh engine and one more
-    step, on the stand-in device (``on_device``) or the CPU; ``offload``: the optimizer in host memory."""
+    step, on the stand-in device (``on_device``) or the CPU; ``offload``: the optimizer in host memory
+    (True), or ``"nvme"``: in swap files (the gradients go there too, from the device through the host)."""
     import rayzero
     from zero_cases import base_config, batches, make_model
 
     acc = use_standin(on_device=True) if on_device else None
     device = acc.device() if acc else torch.device("cpu")
     cfg = base_config(stage, world, 8, gas=2)
-    if offload:
+    if offload == "nvme":
+        swap = ckpt + "-swap"
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": swap}
+        cfg["zero_optimization"]["sub_group_size"] = 2000  # several sub-groups, each swapped on its own
+    elif offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     data = batches(4, 8)
     engine = rayzero.initialize(make_model(), cfg)

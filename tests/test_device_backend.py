@@ -22,8 +22,8 @@ def test_the_standin_backend_refuses_host_tensors():
         assert "a host tensor of shape (3,) met a standin tensor" in r["refused"]["operator"]
 
 
-@pytest.mark.parametrize("stage,offload", [(0, False), (1, False), (2, False), (2, True)],
-                         ids=["stage0", "stage1", "stage2", "stage2-optimizer-offload"])
+@pytest.mark.parametrize("stage,offload", [(0, False), (1, False), (2, False), (2, True), (2, "nvme")],
+                         ids=["stage0", "stage1", "stage2", "stage2-optimizer-offload", "stage2-nvme-offload"])
 def test_the_engine_trains_on_the_device_as_on_the_cpu(stage, offload, tmp_path):
     on_device = run_distributed(device_cases.device_training, 2, stage, True, str(tmp_path / "d"), offload,
                                 init_pg=False)
