@@ -198,9 +198,42 @@ def system_specs(a) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def rayzero_bucket_allowance(engine) -> tuple[float, str]:
+    """Transient buffers a rayzero engine keeps by design beyond its model states, in bytes, with how: the
+    reduce buckets in flight (stages 2-3), stage 3's gathered units (in use and prefetched), and at stages 1-2
+    the step's weight all-gather buckets, whichever is larger (the step's and the backward's do not overlap).
+    (bench_zero's memory report counts rayzero rows with rayzero.memory.rank_memory instead.)"""
+    from rayzero.zero.publish import WeightPublisher
+    from rayzero.zero.reducer import GradientReducer
+
+    s = engine.stage
+    comm = torch.empty(0, dtype=engine.config.comm_dtype).element_size()
+    compute = torch.empty(0, dtype=engine.compute_dtype).element_size()
+    rb = max((b.group.world * b.cols * comm for b in engine.reducer.buckets), default=0)
+    pb = max((g.world * sum(e.chunk for e, _ in m) * compute for g, m in engine.publisher.buckets), default=0)
+    ub = 0
+    if engine.gatherer is not None:
+        entry = engine.partitions.entry_of
+        ub = max((sum(e.padded_numel for e in (entry[p] for p in u.params)) * compute for u in engine.gatherer.units),
+                 default=0)
+    parts = []
+    backward = 0
+    if s >= 2:  # the bucket filling and MAX_INFLIGHT reduce-scatters in flight
+        k = GradientReducer.MAX_INFLIGHT + 1
+        backward += k * rb
+        parts.append(f"{k} x {rb / MIB:.0f} MiB reduce buckets")
+    if s == 3:  # the unit in use and the prefetched one
+        backward += 2 * ub
+        parts.append(f"2 x {ub / MIB:.0f} MiB gathered units")
+    publish = WeightPublisher.MAX_INFLIGHT * pb if s in (1, 2) else 0
+    if publish > backward:
+        return float(publish), f"{WeightPublisher.MAX_INFLIGHT} x {pb / MIB:.0f} MiB all-gather buckets (step)"
+    return float(backward), " + ".join(parts) if parts else "none (buckets are views of the gradient partition)"
+
+
 class _AsStage:
     """The engine seen with another ``stage``: offloaded stage 1 reduces like stage 2 (engine.py), so its
-    buckets are stage 2's; bench_zero's bucket_allowance reads ``engine.stage``."""
+    buckets are stage 2's; rayzero_bucket_allowance reads ``engine.stage``."""
 
     def __init__(self, engine, stage: int):
         self._engine, self.stage = engine, stage
@@ -218,7 +251,7 @@ def theory_rayzero(spec: dict, a, world: int, engine) -> dict:
     if s == 3:  # persistent (small) parameters stay whole, as bench_zero counts them
         states += 4 * sum(p.numel() for p in engine.gatherer.persistent)
     view = _AsStage(engine, 2) if (dev != "none" and s == 1) else engine
-    buckets, how = bucket_allowance({"kind": "rayzero"}, a, world, None, view)
+    buckets, how = rayzero_bucket_allowance(view)
     pool = 0
     if engine.swap is not None:  # the swap pool's bound (not in ram_bytes_per_param): per slot, the largest
         largest = max(g.layout.partition_numel for g in engine.partitions.groups)  # sub-group x (master + 2)
@@ -523,7 +556,7 @@ def render(rows: list[dict], meta: dict) -> str:
         "last writes). theory: model states = "
         "rayzero.memory.ram_bytes_per_param x params (stage 3: + persistent parameters whole; peers: "
         "bench_zero's design figures, DDP 16, FSDP2 16/W bytes/param), activations saved for backward, and the "
-        "buckets bench_zero's bucket_allowance counts. swap pool: the aligned buffers the NVMe path allocates and "
+        "buckets bench_zero's bucket_allowance (rayzero rows: rayzero_bucket_allowance) counts. swap pool: the aligned buffers the NVMe path allocates and "
         "keeps (master + 2 AdamW moments per slot), which ram_bytes_per_param does not count; allocated: the "
         "bytes its slots hold after the timed steps; bound: buffer_count slots x 3 x the largest sub-group x 4 "
         "bytes. "
