@@ -29,7 +29,6 @@ read and rewrite rates) and floor / step time (1.0: the step is as fast as the d
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import functools
 import json
 import os
@@ -51,6 +50,9 @@ from bench_zero import (  # noqa: E402
     MIB, _provenance_line, _short_error, bucket_allowance, build_model, cpu_busy_s, deepspeed_available,
     design_model_state_bytes, hwm_mib, make_batches, malloc_trim, param_count, reset_hwm, rss_mib,
     saved_activation_bytes, setup_ddp, setup_fsdp2, source_provenance, warm_runtime,
+)
+from bench_swap import (  # noqa: E402
+    IO_KEYS, add_disk_ratio, disk_for_swap, io_counters, settle, swap_stores,
 )
 from spawn_ranks import free_port, spawn  # noqa: E402
 
@@ -126,62 +128,6 @@ def pool_allocated_bytes(engine) -> int:
     if engine.swap is None:
         return 0
     return sum(b.untyped_storage().nbytes() for slot in engine.swap.slots for b in slot.buffers.values())
-
-
-def swap_stores(engine) -> list:
-    """Every swap store the engine reaches, once each: the optimizer's swap, stage 3's parameter swap and any
-    other (gradients, say), found by walking rayzero's own objects from the engine (their attributes, and the
-    lists, tuples and dicts among them), so a store the engine gains later is counted without changing the
-    bench.  torch objects (modules, tensors, optimizers) are not entered."""
-    from rayzero.offload.swap_store import SwapStore
-
-    found: dict[int, object] = {}
-    seen: set[int] = set()
-    todo = [(engine, 0)]
-    while todo:
-        obj, depth = todo.pop(0)
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, SwapStore):
-            found[id(obj)] = obj
-            continue
-        if depth >= 6:
-            continue
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            children = list(obj)
-        elif isinstance(obj, dict):
-            children = list(obj.values())
-        elif type(obj).__module__.split(".")[0] == "rayzero" and hasattr(obj, "__dict__"):
-            children = list(vars(obj).values())
-        else:
-            continue
-        todo.extend((c, depth + 1) for c in children)
-    return list(found.values())
-
-
-IO_KEYS = ("bytes_read", "bytes_written", "read_seconds", "write_seconds")
-
-
-def io_counters(stores: list) -> dict:
-    """The swap stores' byte counters and I/O seconds (SwapStore.stats), summed over the stores."""
-    return {k: sum(st.stats[k] for st in stores) for k in IO_KEYS}
-
-
-def settle(stores: list) -> None:
-    """Wait until every read and write the stores have in flight is done, so their counters hold all of it (a
-    step's last writes finish during the next step).  A store runs an op on a key after the earlier ones on it,
-    so waiting for the last op of each key waits for them all."""
-    for st in stores:
-        with st._lock:
-            pending = list(st._tail.values())
-        concurrent.futures.wait(pending)
-
-
-def io_floor_s(bytes_read: float, bytes_written: float, disk: dict) -> float:
-    """Seconds the disk needs at its raw O_DIRECT speed for these bytes: reads at dd's read rate, writes at its
-    rewrite-in-place rate (the swap files are rewritten in place every step)."""
-    return bytes_read / (disk["read_gbs"] * 1e9) + bytes_written / (disk["rewrite_gbs"] * 1e9)
 
 
 def setup_rayzero(model, a, world, spec):
@@ -478,16 +424,6 @@ def _summarise(spec: dict, ranks: list[dict]) -> dict:
     return res
 
 
-def add_disk_ratio(result: dict, disk: dict | None) -> None:
-    """An NVMe row against the disk: the I/O floor (every rank's swap bytes per step at the disk's raw O_DIRECT
-    speed, measured with one dd stream per rank) and floor / step time (1.0: the step is as fast as the disk
-    allows)."""
-    if disk is None or result.get("status") != "ok" or "bytes_read_ranks" not in result:
-        return
-    result["io_floor_s"] = io_floor_s(result["bytes_read_ranks"], result["bytes_written_ranks"], disk)
-    result["floor_over_step"] = result["io_floor_s"] / (result["median_step_ms"] / 1000)
-
-
 def run_systems(specs: list[dict], a: argparse.Namespace) -> list[dict]:
     """Run ``specs`` in one spawn of ``a.world`` ranks; on a failure, each on its own to find which one."""
     results: list[dict | None] = [None] * len(specs)
@@ -774,21 +710,14 @@ def _progress(results: list[dict]) -> None:
 
 
 def measure_disk(a, specs: list[dict], streams: int | None = None) -> dict | None:
-    """The disk's raw O_DIRECT throughput on the swap directory (bench_swap's dd), once per run, before the rows:
-    one dd stream per rank by default, requests of the store's syscall size (aio block_size x queue_depth)."""
+    """The disk's raw O_DIRECT throughput on the swap directory, once per run, before the rows (none without
+    NVMe rows or with --disk-mb 0)."""
     if a.disk_mb <= 0 or not any(s["kind"] == "rayzero" and s["offload"] == "nvme" for s in specs):
         return None
-    from bench_swap import disk_raw_gbs
-    from rayzero.config import Config
-
-    aio = Config.from_any({}).aio
     streams = a.world if streams is None else streams
     print(f"[bench] disk: raw O_DIRECT throughput, {streams} dd stream(s) x {a.disk_mb} MiB ...", file=sys.stderr,
           flush=True)
-    disk = disk_raw_gbs(a.nvme_path, a.disk_mb, streams=streams, bs_mb=aio.block_size * aio.queue_depth // MIB,
-                        repeat=5)
-    disk["load_average"] = os.getloadavg()[0]
-    return disk
+    return disk_for_swap(a.nvme_path, a.disk_mb, streams)
 
 
 def main(argv=None) -> int:
