@@ -51,10 +51,8 @@ from bench_zero import (  # noqa: E402
     design_model_state_bytes, hwm_mib, make_batches, malloc_trim, param_count, reset_hwm, rss_mib,
     saved_activation_bytes, setup_ddp, setup_fsdp2, source_provenance, warm_runtime,
 )
-from bench_swap import (  # noqa: E402
-    IO_KEYS, add_disk_ratio, disk_for_swap, io_counters, settle, swap_stores,
-)
 from spawn_ranks import free_port, spawn  # noqa: E402
+from swap_traffic import IO_KEYS, add_disk_ratio, io_counters, settle, swap_stores  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -714,6 +712,8 @@ def measure_disk(a, specs: list[dict], streams: int | None = None) -> dict | Non
     NVMe rows or with --disk-mb 0)."""
     if a.disk_mb <= 0 or not any(s["kind"] == "rayzero" and s["offload"] == "nvme" for s in specs):
         return None
+    from bench_swap import disk_for_swap
+
     streams = a.world if streams is None else streams
     print(f"[bench] disk: raw O_DIRECT throughput, {streams} dd stream(s) x {a.disk_mb} MiB ...", file=sys.stderr,
           flush=True)

@@ -35,6 +35,7 @@ import traceback
 import torch
 
 from spawn_ranks import free_port, spawn
+from swap_traffic import IO_KEYS, add_disk_ratio, io_counters, settle, swap_stores
 
 MIB = 1024 * 1024
 
@@ -547,16 +548,15 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespa
                 out["theory_bytes"] = design_model_state_bytes(spec, a, world)
                 out["buckets_bytes"], out["buckets_how"] = bucket_allowance(spec, a, world)
 
-        from bench_swap import IO_KEYS, io_counters, settle, swap_stores
-
         stores = swap_stores(step.engine) if hasattr(step, "engine") else []
         data = make_batches(a.warmup + a.steps, a.data_world, a.micro, a.dim)
         lo, hi = rank * a.micro, (rank + 1) * a.micro
         losses, norms, times = [], [], []
         for i, (x, y) in enumerate(data):
             if i == a.warmup:
-                settle(stores)  # the warm-up's last writes belong to the warm-up
-                io0 = io_counters(stores)
+                if stores:
+                    settle(stores)  # the warm-up's last writes belong to the warm-up
+                    io0 = io_counters(stores)
                 if dist.is_initialized():
                     dist.barrier()
                 out["hwm_setup_warmup_mib"] = hwm_mib()
@@ -651,8 +651,6 @@ def run_system(spec: dict, a: argparse.Namespace) -> dict:
         grad_norms=ranks[0]["grad_norms"],
     )
     if all("io_per_step" in r for r in ranks):  # swap traffic: every rank's, through the one disk
-        from bench_swap import IO_KEYS
-
         slow = max(ranks, key=lambda r: r["median_step_ms"])
         res["swap_stores"] = max(r["swap_stores"] for r in ranks)
         for key in IO_KEYS:
@@ -874,7 +872,7 @@ def render_swap_against_disk(results: list[dict], meta: dict) -> list[str]:
                      f"{ms(rd + wr)} ({ms(rd)} + {ms(wr)}) |")
     lines += [
         "",
-        "swap MiB/step: the byte counters of every swap store the rank's engine holds (bench_swap.swap_stores) "
+        "swap MiB/step: the byte counters of every swap store the rank's engine holds (swap_traffic.swap_stores) "
         "over the timed steps, their last writes included, per step, summed over the ranks; I/O floor: read "
         "bytes / raw read + written bytes / raw rewrite; floor / step: 1.00 = the step is as fast as the disk "
         "allows (bench/README.md, bench_offload's 'NVMe rows against the disk').",
@@ -1042,8 +1040,6 @@ def main(argv=None) -> int:
         elif r["status"] == "ok" and (results[prev]["status"] != "ok"
                                       or r["median_step_ms"] < results[prev]["median_step_ms"]):
             results[prev] = r
-
-    from bench_swap import add_disk_ratio
 
     for r in results:
         add_disk_ratio(r, meta["disk"])

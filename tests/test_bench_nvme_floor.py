@@ -1,7 +1,7 @@
 """The NVMe rows of bench/bench_offload.py and bench_zero.py --memory against the disk (issue 27), with
-bench/bench_swap.py's helpers: the swap stores found on an engine, the bytes their counters say a step moved,
-and the I/O floor from raw O_DIRECT dd figures.  Real engines (world 1) swapping under tmp_path, real dd
-runs."""
+bench/swap_traffic.py's helpers: the swap stores found on an engine, the bytes their counters say a step moved,
+and the I/O floor from bench_swap.py's raw O_DIRECT dd figures.  Real engines (world 1) swapping under
+tmp_path, real dd runs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import rayzero  # noqa: E402
-from bench_swap import add_disk_ratio, disk_raw_gbs, io_counters, io_floor_s, settle, swap_stores  # noqa: E402
+from bench_swap import disk_raw_gbs  # noqa: E402
+from swap_traffic import add_disk_ratio, io_counters, io_floor_s, settle, swap_stores  # noqa: E402
 
 
 def engine_with(tmp_path, stage: int, optimizer: str, params: str = "none", sub_group: int | None = None):
