@@ -19,7 +19,11 @@ follows the live tensors instead), a per-rank baseline taken once the runtime is
 exists (bench_zero's ``--memory`` method), and VmHWM reset after the warm-up steps.  The systems take turns
 over ``--rounds`` rounds; the tables give the median over rounds of the slowest rank's median step.
 For NVMe rows the bench also reads the swap store's byte counters and times, from outside rayzero (wrapping
-the engine's swap object in the rank process), how long each step waits for swap reads and writes.
+the engine's swap object in the rank process), how long each step waits for swap reads and writes.  It measures
+the disk's raw O_DIRECT throughput on the swap directory once, before the rows (bench_swap's dd, one stream per
+rank at once, ``--disk-mb`` MiB each), and sets every NVMe row against it: the bytes all ranks' swap stores moved
+per step (their SwapStore.stats counters, every store the engine holds), the I/O floor (those bytes at the raw
+read and rewrite rates) and floor / step time (1.0: the step is as fast as the disk allows).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from bench_zero import (  # noqa: E402
     saved_activation_bytes, setup_ddp, setup_fsdp2, source_provenance, warm_runtime,
 )
 from spawn_ranks import free_port, spawn  # noqa: E402
+from swap_traffic import IO_KEYS, add_disk_ratio, io_counters, settle, swap_stores  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -198,9 +203,42 @@ def system_specs(a) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def rayzero_bucket_allowance(engine) -> tuple[float, str]:
+    """Transient buffers a rayzero engine keeps by design beyond its model states, in bytes, with how: the
+    reduce buckets in flight (stages 2-3), stage 3's gathered units (in use and prefetched), and at stages 1-2
+    the step's weight all-gather buckets, whichever is larger (the step's and the backward's do not overlap).
+    (bench_zero's memory report counts rayzero rows with rayzero.memory.rank_memory instead.)"""
+    from rayzero.zero.publish import WeightPublisher
+    from rayzero.zero.reducer import GradientReducer
+
+    s = engine.stage
+    comm = torch.empty(0, dtype=engine.config.comm_dtype).element_size()
+    compute = torch.empty(0, dtype=engine.compute_dtype).element_size()
+    rb = max((b.group.world * b.cols * comm for b in engine.reducer.buckets), default=0)
+    pb = max((g.world * sum(e.chunk for e, _ in m) * compute for g, m in engine.publisher.buckets), default=0)
+    ub = 0
+    if engine.gatherer is not None:
+        entry = engine.partitions.entry_of
+        ub = max((sum(e.padded_numel for e in (entry[p] for p in u.params)) * compute for u in engine.gatherer.units),
+                 default=0)
+    parts = []
+    backward = 0
+    if s >= 2:  # the bucket filling and MAX_INFLIGHT reduce-scatters in flight
+        k = GradientReducer.MAX_INFLIGHT + 1
+        backward += k * rb
+        parts.append(f"{k} x {rb / MIB:.0f} MiB reduce buckets")
+    if s == 3:  # the unit in use and the prefetched one
+        backward += 2 * ub
+        parts.append(f"2 x {ub / MIB:.0f} MiB gathered units")
+    publish = WeightPublisher.MAX_INFLIGHT * pb if s in (1, 2) else 0
+    if publish > backward:
+        return float(publish), f"{WeightPublisher.MAX_INFLIGHT} x {pb / MIB:.0f} MiB all-gather buckets (step)"
+    return float(backward), " + ".join(parts) if parts else "none (buckets are views of the gradient partition)"
+
+
 class _AsStage:
     """The engine seen with another ``stage``: offloaded stage 1 reduces like stage 2 (engine.py), so its
-    buckets are stage 2's; bench_zero's bucket_allowance reads ``engine.stage``."""
+    buckets are stage 2's; rayzero_bucket_allowance reads ``engine.stage``."""
 
     def __init__(self, engine, stage: int):
         self._engine, self.stage = engine, stage
@@ -218,7 +256,7 @@ def theory_rayzero(spec: dict, a, world: int, engine) -> dict:
     if s == 3:  # persistent (small) parameters stay whole, as bench_zero counts them
         states += 4 * sum(p.numel() for p in engine.gatherer.persistent)
     view = _AsStage(engine, 2) if (dev != "none" and s == 1) else engine
-    buckets, how = bucket_allowance({"kind": "rayzero"}, a, world, None, view)
+    buckets, how = rayzero_bucket_allowance(view)
     pool = 0
     if engine.swap is not None:  # the swap pool's bound (not in ram_bytes_per_param): per slot, the largest
         largest = max(g.layout.partition_numel for g in engine.partitions.groups)  # sub-group x (master + 2)
@@ -262,7 +300,8 @@ def _one_system(rank: int, world: int, spec: dict, a: argparse.Namespace) -> dic
         engine = step.engine
         out.update(theory_rayzero(spec, a, world, engine))
         timers = instrument(engine)
-        store = engine._swap_store
+        stores = swap_stores(engine)
+        out["swap_stores"] = len(stores)
     else:
         if spec["kind"] == "ddp":
             step, destroy = setup_ddp(model, a, world)
@@ -273,7 +312,7 @@ def _one_system(rank: int, world: int, spec: dict, a: argparse.Namespace) -> dic
         else:
             step, destroy = setup_deepspeed_offload(model, a, world, spec)
         out.update(theory_peer(spec, a, world))
-        timers, store = None, None
+        timers, stores = None, []
     out["hwm_setup_mib"] = hwm_mib() - out["baseline_mib"]
 
     data = make_batches(a.warmup + a.steps, world, a.micro, a.dim)
@@ -281,11 +320,13 @@ def _one_system(rank: int, world: int, spec: dict, a: argparse.Namespace) -> dic
     losses, times, per_step = [], [], []
     for i, (x, y) in enumerate(data):
         if i == a.warmup:
+            settle(stores)  # the warm-up's last writes belong to the warm-up
             dist.barrier()
             out["hwm_warmup_mib"] = hwm_mib() - out["baseline_mib"]
             reset_hwm()  # from here VmHWM is the peak of the timed steps alone
+            io0 = io_counters(stores) if stores else None
             timed_t0, busy0, own0 = time.perf_counter(), cpu_busy_s(), time.process_time()
-        before = dict(store.stats) if store is not None else None
+        before = io_counters(stores) if stores else None
         tm0 = {k: t.seconds for k, t in timers.items()} if timers else {}
         t0 = time.perf_counter()
         loss, _norm = step(x[lo:hi], y[lo:hi])
@@ -296,8 +337,9 @@ def _one_system(rank: int, world: int, spec: dict, a: argparse.Namespace) -> dic
             rec = {k: t.seconds - tm0[k] for k, t in timers.items()} if timers else {}
             if "wait_read" in rec:
                 rec["wait"] = sum(rec[k] for k in WAITS.values())
-            if store is not None:
-                rec.update({k: store.stats[k] - before[k] for k in before})
+            if stores:
+                now = io_counters(stores)
+                rec.update({k: now[k] - before[k] for k in before})
             per_step.append(rec)
     out["hwm_timed_mib"] = hwm_mib() - out["baseline_mib"]
     if engine is not None:
@@ -306,6 +348,10 @@ def _one_system(rank: int, world: int, spec: dict, a: argparse.Namespace) -> dic
     out["timed_wall_s"] = time.perf_counter() - timed_t0
     out["timed_machine_busy_s"] = cpu_busy_s() - busy0
     out["timed_own_cpu_s"] = time.process_time() - own0
+    if stores:  # what the timed steps moved, their last writes included: per step, exactly
+        settle(stores)
+        io1 = io_counters(stores)
+        out["io_per_step"] = {k: (io1[k] - io0[k]) / a.steps for k in IO_KEYS}
     out["step_s"] = times
     out["median_step_ms"] = statistics.median(times) * 1000
     out["per_step"] = per_step
@@ -367,6 +413,12 @@ def _summarise(spec: dict, ranks: list[dict]) -> dict:
     for key in ("adam", "swap_step", "wait", *WAITS.values(), "bytes_read", "bytes_written", "read_seconds",
                 "write_seconds"):
         res[key] = _median_of(slow["per_step"], key)
+    if any(r.get("swap_stores") for r in ranks):  # what all ranks move through the one disk per step
+        res["swap_stores"] = max(r.get("swap_stores", 0) for r in ranks)
+        for key in IO_KEYS:
+            res[key + "_ranks"] = sum(r["io_per_step"][key] for r in ranks)
+        for key in ("read_seconds", "write_seconds"):
+            res[key + "_slowest"] = slow["io_per_step"][key]
     return res
 
 
@@ -413,7 +465,9 @@ def _merge_rounds(rounds: list[list[dict]]) -> list[dict]:
         row = dict(ok[0], rounds_ok=len(ok), rounds=len(runs))
         for k in ("median_step_ms", "peak_mib", "setup_peak_mib", "steady_mib", "adam", "swap_step", "wait",
                   *WAITS.values(),
-                  "bytes_read", "bytes_written", "read_seconds", "write_seconds", "baseline_mib"):
+                  "bytes_read", "bytes_written", "read_seconds", "write_seconds", "baseline_mib",
+                  *(k + "_ranks" for k in IO_KEYS), "read_seconds_slowest", "write_seconds_slowest", "io_floor_s",
+                  "floor_over_step"):
             vals = [r[k] for r in ok if k in r and r[k] == r[k]]
             if vals:
                 row[k] = statistics.median(vals)
@@ -427,6 +481,10 @@ def _merge_rounds(rounds: list[list[dict]]) -> list[dict]:
 
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.0f}" if nbytes >= 10e6 else f"{nbytes / 1e6:.3f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}" if seconds >= 0.01 else f"{seconds * 1000:.2f}"
 
 
 def _fmt_sub(sg) -> str:
@@ -480,6 +538,7 @@ def render(rows: list[dict], meta: dict) -> str:
         other = f"{statistics.median(fc):.2f}" if fc else "-"
         lines.append(f"{head} {ms:.0f}{rng} | {x} | {adam} | {io[0]} | {io[1]} | {io[2]} | {r['losses'][-1]:.6f} | "
                      f"{other} |")
+    lines += render_disk(rows, meta)
     lines += [
         "",
         "Memory (MiB above the rank's own baseline, largest rank, median over rounds):",
@@ -523,7 +582,7 @@ def render(rows: list[dict], meta: dict) -> str:
         "last writes). theory: model states = "
         "rayzero.memory.ram_bytes_per_param x params (stage 3: + persistent parameters whole; peers: "
         "bench_zero's design figures, DDP 16, FSDP2 16/W bytes/param), activations saved for backward, and the "
-        "buckets bench_zero's bucket_allowance counts. swap pool: the aligned buffers the NVMe path allocates and "
+        "buckets bench_zero's bucket_allowance (rayzero rows: rayzero_bucket_allowance) counts. swap pool: the aligned buffers the NVMe path allocates and "
         "keeps (master + 2 AdamW moments per slot), which ram_bytes_per_param does not count; allocated: the "
         "bytes its slots hold after the timed steps; bound: buffer_count slots x 3 x the largest sub-group x 4 "
         "bytes. "
@@ -532,6 +591,45 @@ def render(rows: list[dict], meta: dict) -> str:
         *notes,
     ]
     return "\n".join(lines)
+
+
+def render_disk(rows: list[dict], meta: dict) -> list[str]:
+    """The NVMe rows against the disk's raw O_DIRECT throughput (issue 27)."""
+    disk, one = meta.get("disk"), meta.get("disk_one_stream")
+    nvme = [r for r in rows if r.get("rounds_ok") and "bytes_read_ranks" in r]
+    if disk is None or not nvme:
+        return []
+    world = meta["world"]
+    lines = [
+        "",
+        f"NVMe rows against the disk: raw O_DIRECT throughput on the swap directory, {disk['streams']} dd streams at "
+        f"once ({disk['size_mb']} MiB each, bs={disk['bs_mb']}M, median of {disk['repeat']}): read "
+        f"{disk['read_gbs']:.2f} GB/s, rewrite in place {disk['rewrite_gbs']:.2f} GB/s (write to a new file "
+        f"{disk['write_gbs']:.2f})" + (f"; 1 stream: read {one['read_gbs']:.2f}, rewrite {one['rewrite_gbs']:.2f}, "
+                                      f"write {one['write_gbs']:.2f} GB/s" if one else "") + ".",
+        "",
+        f"| system | sub_group_size | swap MiB/step read / written ({world} ranks) | I/O floor ms | step ms | "
+        "floor / step | store I/O ms read + write (slowest rank) | blocked on swap I/O ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in nvme:
+        rd, wr = r["read_seconds_slowest"], r["write_seconds_slowest"]
+        lines.append(
+            f"| {r['name']} | {_fmt_sub(r.get('sub_group'))} | {r['bytes_read_ranks'] / MIB:.1f} / "
+            f"{r['bytes_written_ranks'] / MIB:.1f} | {_ms(r['io_floor_s'])} | {r['median_step_ms']:.0f} | "
+            f"{r['floor_over_step']:.2f} | {_ms(rd + wr)} ({_ms(rd)} + {_ms(wr)}) | {r['wait'] * 1000:.0f} |")
+    lines += [
+        "",
+        "swap MiB/step: the byte counters (SwapStore.stats) of every swap store the rank's engine holds, from "
+        "before the first timed step to after the last one's writes are done, over the steps, summed over the "
+        "ranks (they share the disk). I/O floor: read bytes / "
+        "raw read + written bytes / raw rewrite (the swap files are rewritten in place every step), the dd "
+        f"figures of {disk['streams']} streams at once (one per rank). floor / step: 1.00 = the step takes no "
+        "longer than the disk needs for its bytes. store I/O: the summed duration of the stores' read and write "
+        "calls per step, counted like the bytes (worker threads; they overlap compute and each other). blocked: "
+        "as in the step-time table.",
+    ]
+    return lines
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -555,6 +653,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "so RSS follows the live tensors); by default glibc is left as a user has it")
     p.add_argument("--json", default=None, help="also write every number as JSON")
     p.add_argument("--timeout", type=float, default=None, help="seconds per system before it counts as hung")
+    p.add_argument("--disk-mb", type=int, default=None,
+                   help="MiB per dd stream for the disk's raw O_DIRECT throughput, measured once before the rows when "
+                        "there are NVMe rows (default 256; --quick 64; 0 skips it)")
     a = p.parse_args(argv)
     if a.quick:
         a.dim, a.hidden, a.blocks = 32, 128, 2
@@ -563,6 +664,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.rounds = a.rounds or 1
         a.sub_group_sizes = a.sub_group_sizes or "default,1e9,3000"
         a.timeout = a.timeout or 120.0
+        a.disk_mb = 64 if a.disk_mb is None else a.disk_mb
     else:
         a.dim, a.hidden, a.blocks = 1024, 4096, 4
         a.steps = a.steps or 10
@@ -570,6 +672,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.rounds = a.rounds or 3
         a.sub_group_sizes = a.sub_group_sizes or "default,1e9,5e6"
         a.timeout = a.timeout or 600.0
+        a.disk_mb = 256 if a.disk_mb is None else a.disk_mb
     a.stages = [int(s) for s in a.stages.split(",") if s.strip()]
     a.devices = [d.strip() for d in a.devices.split(",") if d.strip()]
     a.sub_groups = [None if s.strip() == "default" else int(float(s)) for s in a.sub_group_sizes.split(",")
@@ -604,6 +707,19 @@ def _progress(results: list[dict]) -> None:
             print(r["error"], file=sys.stderr, flush=True)
 
 
+def measure_disk(a, specs: list[dict], streams: int | None = None) -> dict | None:
+    """The disk's raw O_DIRECT throughput on the swap directory, once per run, before the rows (none without
+    NVMe rows or with --disk-mb 0)."""
+    if a.disk_mb <= 0 or not any(s["kind"] == "rayzero" and s["offload"] == "nvme" for s in specs):
+        return None
+    from bench_swap import disk_for_swap
+
+    streams = a.world if streams is None else streams
+    print(f"[bench] disk: raw O_DIRECT throughput, {streams} dd stream(s) x {a.disk_mb} MiB ...", file=sys.stderr,
+          flush=True)
+    return disk_for_swap(a.nvme_path, a.disk_mb, streams)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.live_tensors:
@@ -621,6 +737,10 @@ def main(argv=None) -> int:
     specs = system_specs(a)
     rounds: list[list[dict]] = []
     try:
+        disk = measure_disk(a, specs)
+        meta["disk"] = disk
+        if disk is not None:
+            meta["disk_one_stream"] = measure_disk(a, specs, streams=1)
         for rnd in range(a.rounds):
             if a.quick:  # every system one after the other in the same two rank processes: seconds, not minutes
                 print(f"[bench] round {rnd + 1}/{a.rounds}: {len(specs)} systems in one spawn ...", file=sys.stderr,
@@ -643,6 +763,9 @@ def main(argv=None) -> int:
     if meta["provenance"]["sources_changed_during_run"]:
         print("[bench] WARNING: rayzero's sources changed while the bench ran; rows may mix versions. Re-run.",
               file=sys.stderr, flush=True)
+    for results in rounds:
+        for r in results:
+            add_disk_ratio(r, meta["disk"])
     rows = _merge_rounds(rounds)
     busy = [r["name"] for r in rows if r.get("rounds_ok")
             and statistics.median([f or 0.0 for f in r["foreign_all"]]) > 0.25]

@@ -56,10 +56,50 @@ def fs_type(path: str) -> str:
     return f"{kind} on {best}"
 
 
-def run_dd(ddfile: str, size_mb: int) -> tuple[float, float, float]:
-    w = ["if=/dev/zero", f"of={ddfile}", "bs=1M", f"count={size_mb}", "oflag=direct"]
-    return (dd_seconds(w), dd_seconds([f"if={ddfile}", "of=/dev/null", "bs=1M", "iflag=direct"]),
-            dd_seconds([*w, "conv=notrunc"]))
+def _dd_args(ddfile: str, size_mb: int, bs_mb: int = 1) -> tuple[list[str], list[str], list[str]]:
+    """dd's arguments for a direct write to a new file, a direct read of it, and a direct rewrite in place."""
+    w = ["if=/dev/zero", f"of={ddfile}", f"bs={bs_mb}M", f"count={size_mb // bs_mb}", "oflag=direct"]
+    return w, [f"if={ddfile}", "of=/dev/null", f"bs={bs_mb}M", "iflag=direct"], [*w, "conv=notrunc"]
+
+
+def run_dd(ddfile: str, size_mb: int, bs_mb: int = 1) -> tuple[float, float, float]:
+    return tuple(dd_seconds(args) for args in _dd_args(ddfile, size_mb, bs_mb))
+
+
+def dd_parallel_seconds(arg_lists: list[list[str]]) -> list[float]:
+    """Start one dd per argument list at once and return the seconds each reports."""
+    procs = [subprocess.Popen(["dd", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for args in arg_lists]
+    out = []
+    for proc in procs:
+        _, err = proc.communicate()
+        m = re.search(r"(\d+) bytes .*copied, ([0-9.e+-]+) s", err)
+        if proc.returncode or not m:
+            raise RuntimeError(f"dd failed or cannot parse its output: {err!r}")
+        out.append(float(m.group(2)))
+    return out
+
+
+def disk_raw_gbs(directory: str, size_mb: int = 256, streams: int = 1, bs_mb: int = 1, repeat: int = 3) -> dict:
+    """The disk's raw O_DIRECT throughput on ``directory``: ``streams`` dd processes at once, each on a file of
+    its own of ``size_mb`` MiB with ``bs_mb`` MiB requests, for a write to a new file, a read of it and a
+    rewrite in place.  GB/s (1e9 bytes/s) = all streams' bytes over the slowest stream's seconds, the median
+    of ``repeat`` runs; the per-run figures are kept too.  The files are removed afterwards."""
+    root = tempfile.mkdtemp(prefix="rayzero-dd-", dir=directory)
+    nbytes = streams * (size_mb // bs_mb) * bs_mb * MIB
+    runs: dict[str, list[float]] = {"write": [], "read": [], "rewrite": []}
+    try:
+        for _ in range(repeat):
+            per_stream = [_dd_args(os.path.join(root, f"dd{i}.bin"), size_mb, bs_mb) for i in range(streams)]
+            for k, name in enumerate(runs):
+                runs[name].append(nbytes / max(dd_parallel_seconds([a[k] for a in per_stream])) / 1e9)
+            for i in range(streams):
+                os.unlink(os.path.join(root, f"dd{i}.bin"))  # the next write is to a new file again
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return dict(directory=os.path.abspath(directory), size_mb=size_mb, streams=streams, bs_mb=bs_mb, repeat=repeat,
+                **{f"{name}_gbs": statistics.median(v) for name, v in runs.items()},
+                **{f"{name}_gbs_all": v for name, v in runs.items()})
 
 
 def run_store(store: SwapStore, t: torch.Tensor, o: torch.Tensor) -> tuple[float, float, float]:
@@ -77,6 +117,17 @@ def run_store(store: SwapStore, t: torch.Tensor, o: torch.Tensor) -> tuple[float
     t4 = time.perf_counter()
     store.write("x", t).result()
     return t1 - t0, t3 - t2, time.perf_counter() - t4
+
+
+def disk_for_swap(directory: str, size_mb: int, streams: int) -> dict:
+    """disk_raw_gbs as the swap store moves data: ``streams`` dd streams at once (one per rank), requests of the
+    store's syscall size with rayzero's default aio settings (block_size x queue_depth), median of 5."""
+    from rayzero.config import Config
+
+    aio = Config.from_any({}).aio
+    disk = disk_raw_gbs(directory, size_mb, streams=streams, bs_mb=aio.block_size * aio.queue_depth // MIB, repeat=5)
+    disk["load_average"] = os.getloadavg()[0]
+    return disk
 
 
 def write_while_python_runs(root: str, t: torch.Tensor, block: int, queue_depth: int) -> tuple[float, float]:

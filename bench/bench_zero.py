@@ -35,6 +35,7 @@ import traceback
 import torch
 
 from spawn_ranks import free_port, spawn
+from swap_traffic import IO_KEYS, add_disk_ratio, io_counters, settle, swap_stores
 
 MIB = 1024 * 1024
 
@@ -349,6 +350,7 @@ def setup_rayzero(model, a, world, stage: int, defaults: bool = False, capture: 
         engine.step()
         return loss.detach(), engine.global_grad_norm
 
+    step.engine = engine  # the NVMe row's swap stores (their byte counters)
     return step, engine.destroy
 
 
@@ -546,11 +548,15 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespa
                 out["theory_bytes"] = design_model_state_bytes(spec, a, world)
                 out["buckets_bytes"], out["buckets_how"] = bucket_allowance(spec, a, world)
 
+        stores = swap_stores(step.engine) if hasattr(step, "engine") else []
         data = make_batches(a.warmup + a.steps, a.data_world, a.micro, a.dim)
         lo, hi = rank * a.micro, (rank + 1) * a.micro
         losses, norms, times = [], [], []
         for i, (x, y) in enumerate(data):
             if i == a.warmup:
+                if stores:
+                    settle(stores)  # the warm-up's last writes belong to the warm-up
+                    io0 = io_counters(stores)
                 if dist.is_initialized():
                     dist.barrier()
                 out["hwm_setup_warmup_mib"] = hwm_mib()
@@ -570,6 +576,12 @@ def _rank_main(rank: int, world: int, port: int, spec: dict, a: argparse.Namespa
         out["timed_wall_s"] = time.perf_counter() - timed_t0
         out["timed_machine_busy_s"] = cpu_busy_s() - busy0
         out["timed_own_cpu_s"] = time.process_time() - own0  # all threads of this rank (gloo's included)
+        if stores:  # swap traffic of the timed steps, their last writes included, per step
+            settle(stores)
+            io1 = io_counters(stores)
+            out["swap_stores"] = len(stores)
+            out["io_per_step"] = {k: (io1[k] - io0[k]) / a.steps for k in IO_KEYS}
+        del stores
         out["peak_rss_mib"] = max(out["hwm_setup_warmup_mib"], out["hwm_timed_mib"])
         out["step_s"] = times
         out["median_step_ms"] = statistics.median(times) * 1000
@@ -638,6 +650,13 @@ def run_system(spec: dict, a: argparse.Namespace) -> dict:
         losses=ranks[0]["losses"],
         grad_norms=ranks[0]["grad_norms"],
     )
+    if all("io_per_step" in r for r in ranks):  # swap traffic: every rank's, through the one disk
+        slow = max(ranks, key=lambda r: r["median_step_ms"])
+        res["swap_stores"] = max(r["swap_stores"] for r in ranks)
+        for key in IO_KEYS:
+            res[key + "_ranks"] = sum(r["io_per_step"][key] for r in ranks)
+        for key in ("read_seconds", "write_seconds"):
+            res[key + "_slowest"] = slow["io_per_step"][key]
     if a.memory:  # above each rank's own baseline, the largest rank
         res.update(
             mem_timed_peak_mib=max(r["hwm_timed_mib"] - r["baseline_mib"] for r in ranks),
@@ -805,6 +824,7 @@ def render_memory(results: list[dict], meta: dict) -> str:
                 target = f" (target <= {NVME_TARGET})" if r["offload"] == "nvme" else ""
                 notes.append(f"- {r['name']}: peak {x:.2f}x the plain ZeRO-3 row's (config defaults){target}"
                              + (" **over**" if r["offload"] == "nvme" and x > NVME_TARGET else ""))
+    lines += render_swap_against_disk(results, meta)
     lines += [
         "",
         "Every figure is MiB above the rank's own baseline (RSS once the runtime is warm: torch, the process "
@@ -825,6 +845,39 @@ def render_memory(results: list[dict], meta: dict) -> str:
         *notes,
     ]
     return "\n".join(lines)
+
+
+def render_swap_against_disk(results: list[dict], meta: dict) -> list[str]:
+    """The rows that swap to NVMe against the disk's raw O_DIRECT throughput (bench_offload.py has the same table
+    for its rows; the step times here are those of this memory run)."""
+    disk = meta.get("disk")
+    rows = [r for r in results if r["status"] == "ok" and "floor_over_step" in r]
+    if disk is None or not rows:
+        return []
+    lines = [
+        "",
+        f"Swap traffic against the disk ({disk['streams']} dd streams at once on {disk['directory']}, "
+        f"{disk['size_mb']} MiB each, bs={disk['bs_mb']}M, median of {disk['repeat']}: read {disk['read_gbs']:.2f} "
+        f"GB/s, rewrite in place {disk['rewrite_gbs']:.2f} GB/s):",
+        "",
+        "| system | swap MiB/step read / written (all ranks) | I/O floor ms | step ms | floor / step | "
+        "store I/O ms read + write (slowest rank) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ms = lambda s: f"{s * 1000:.0f}" if s >= 0.01 else f"{s * 1000:.2f}"
+        rd, wr = r["read_seconds_slowest"], r["write_seconds_slowest"]
+        lines.append(f"| {r['name']} | {r['bytes_read_ranks'] / MIB:.1f} / {r['bytes_written_ranks'] / MIB:.1f} | "
+                     f"{ms(r['io_floor_s'])} | {r['median_step_ms']:.0f} | {r['floor_over_step']:.2f} | "
+                     f"{ms(rd + wr)} ({ms(rd)} + {ms(wr)}) |")
+    lines += [
+        "",
+        "swap MiB/step: the byte counters of every swap store the rank's engine holds (swap_traffic.swap_stores) "
+        "over the timed steps, their last writes included, per step, summed over the ranks; I/O floor: read "
+        "bytes / raw read + written bytes / raw rewrite; floor / step: 1.00 = the step is as fast as the disk "
+        "allows (bench/README.md, bench_offload's 'NVMe rows against the disk').",
+    ]
+    return lines
 
 
 def source_provenance() -> dict:
@@ -893,6 +946,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "peak as a second column; the first column is always the environment a user has")
     p.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "rayzero-bench-swap"),
                    help="with --memory: the directory the NVMe offload row swaps under (a local disk)")
+    p.add_argument("--disk-mb", type=int, default=None,
+                   help="MiB per dd stream for the disk's raw O_DIRECT throughput on --nvme-path, measured once "
+                        "before the rows when a row swaps to NVMe (0 skips it; default 256, --quick 64)")
     p.add_argument("--adam-fused", action="store_true",
                    help="AdamW(fused=True) in every system (default: each system's own default; rayzero's is fused)")
     a = p.parse_args(argv)
@@ -903,6 +959,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.bucket_elements = a.bucket_elements or 3000  # several buckets; each weight (4096) is bigger than one
         a.persistence_threshold = 64  # weights gathered, small biases persistent: both stage-3 paths run
         a.timeout = a.timeout or 120.0
+        a.disk_mb = 64 if a.disk_mb is None else a.disk_mb
     else:
         a.dim, a.hidden, a.blocks = 1024, a.hidden or 4096, 4
         a.steps = (3 if a.memory else 10) if a.steps is None else a.steps
@@ -910,6 +967,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.bucket_elements = a.bucket_elements or 25 * MIB // 4
         a.persistence_threshold = 100_000  # rayzero/DeepSpeed default: biases stay whole, weights shard
         a.timeout = a.timeout or 600.0
+        a.disk_mb = 256 if a.disk_mb is None else a.disk_mb
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     a.micro, a.lr, a.clip = 8, 1e-4, 1.0
@@ -943,6 +1001,14 @@ def main(argv=None) -> int:
     if a.only:
         keys = [k.strip().lower() for k in a.only.split(",") if k.strip()]
         specs = [s for s in specs if any(k in s["name"].lower() for k in keys)]
+    meta["disk"] = None
+    if a.disk_mb > 0 and any(s.get("offload") == "nvme" for s in specs):
+        from bench_swap import disk_for_swap
+
+        os.makedirs(a.nvme_path, exist_ok=True)
+        print(f"[bench] disk: raw O_DIRECT throughput, {a.world} dd stream(s) x {a.disk_mb} MiB ...", file=sys.stderr,
+              flush=True)
+        meta["disk"] = disk_for_swap(a.nvme_path, a.disk_mb, a.world)
     results = []
     for spec in specs * a.repeat:  # --repeat: every system once, then again; each row keeps its best run
         print(f"[bench] {spec['name']} ...", file=sys.stderr, flush=True)
@@ -975,6 +1041,8 @@ def main(argv=None) -> int:
                                       or r["median_step_ms"] < results[prev]["median_step_ms"]):
             results[prev] = r
 
+    for r in results:
+        add_disk_ratio(r, meta["disk"])
     after = source_provenance().get("rayzero_sources_sha256")
     meta["provenance"]["rayzero_sources_sha256_after"] = after
     meta["provenance"]["sources_changed_during_run"] = after != meta["provenance"].get("rayzero_sources_sha256")
