@@ -60,8 +60,8 @@ def test_swap_stores_finds_the_ranks_one_store_through_both_swaps(tmp_path):
 
 def test_step_counters_are_the_masters_and_moments_the_step_moves(tmp_path):
     """Optimizer on NVMe: every sub-group's master and AdamW moments are written each step; each is read unless
-    the step takes it back from the swap pool (reads_skipped).  Counted between settled stores, as the bench
-    counts its timed steps."""
+    the step takes it back from the swap pool (reads_skipped); every sub-group's gradient is written by the
+    backward and read by the step.  Counted between settled stores, as the bench counts its timed steps."""
     engine = engine_with(tmp_path, 2, "nvme", sub_group=5000)
     try:
         sizes = [g.layout.partition_numel for g in engine.partitions.groups]
@@ -76,9 +76,11 @@ def test_step_counters_are_the_masters_and_moments_the_step_moves(tmp_path):
             moved = {k: v - before[k] for k, v in io_counters(stores).items()}
             tensors = [1 + len(engine.swap.state_names[gi]) for gi in range(len(sizes))]
             assert tensors == [3] * len(sizes)  # master, exp_avg, exp_avg_sq
-            assert moved["bytes_written"] == sum(4 * t * n for t, n in zip(tensors, sizes))
+            grads = 4 * sum(sizes)  # the gradient partition, written once and read once
+            assert moved["bytes_written"] == sum(4 * t * n for t, n in zip(tensors, sizes)) + grads
             read = len(sizes) - (engine.swap.reads_skipped - skipped)
-            assert any(moved["bytes_read"] == 12 * sum(c) for c in itertools.combinations(sizes, read)), moved
+            assert any(moved["bytes_read"] == 12 * sum(c) + grads
+                       for c in itertools.combinations(sizes, read)), moved
             assert moved["read_seconds"] > 0 and moved["write_seconds"] > 0
     finally:
         engine.destroy()

@@ -199,10 +199,12 @@ def test_peak_rss_follows_the_memory_model():
 def test_nvme_offload_holds_less_than_no_offload(tmp_path):
     """Optimizer and parameters on NVMe: the rank's peak RSS (set-up included) is well below the same model's
     without offload, not above it (freed memory given back under offload, no shard held twice, pools sized
-    to what is in flight)."""
+    to what is in flight, gradients and zero_init shards in the swap files): at most issue 27's 0.6x.
+    Measured 0.50-0.52x; 0.58x before the gradients and the shards went to the swap files (whose own test,
+    tests/test_nvme_gradients.py, looks where they are), 1.28x before issue 27."""
     plain, _ = _peaks({})
     swap = str(tmp_path / "swap")
     nvme, policy = _peaks({"offload_optimizer": {"device": "nvme", "nvme_path": swap},
                            "offload_param": {"device": "nvme", "nvme_path": swap}})
     assert policy == "release"
-    assert nvme <= 0.7 * plain, (nvme, plain)
+    assert nvme <= 0.6 * plain, (nvme, plain)
