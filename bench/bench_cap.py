@@ -267,7 +267,7 @@ def main(argv=None) -> int:
     for system in systems:
         configs = a.configs or DEFAULT_CONFIGS[system]
         for offload in [c.strip() for c in configs.split(",") if c.strip()]:
-            best, failed = 0, ""
+            best, failed, best_what = 0, "", ""
             for blocks in ladder:
                 ok, what, wall = trial(a, system, blocks, offload)
                 print(f"[cap] {system} {offload} {blocks} blocks ({blocks * BLOCK_PARAMS / 1e6:.0f}M params): "
@@ -275,19 +275,19 @@ def main(argv=None) -> int:
                 if not ok:
                     failed = f"{blocks} blocks: {what}"
                     break
-                best = blocks
-            rows.append((system, offload, best, failed))
+                best, best_what = blocks, what
+            rows.append((system, offload, best, best_what, failed))
     cap = a.cap_mib * MIB
     print(f"\nCap {a.cap_mib} MiB per rank (cgroup v1 memory.limit_in_bytes, the post-import baseline included), "
           f"world {a.world}, ZeRO-3 with the model built under rayzero.zero_init / deepspeed.zero.Init, "
           f"{a.steps} steps.\n")
-    print("| system | offload | largest trained | parameters | model states per rank | / cap | first failure |")
-    print("|---|---|---:|---:|---:|---:|---|")
-    for system, offload, best, failed in rows:
+    print("| system | offload | largest trained | parameters | model states per rank | / cap | there | first failure |")
+    print("|---|---|---:|---:|---:|---:|---|---|")
+    for system, offload, best, best_what, failed in rows:
         n = best * BLOCK_PARAMS
         states = 16 * n / a.world
         print(f"| {system} | {offload} | {best} blocks | {n / 1e6:.0f}M | {states / MIB:.0f} MiB | "
-              f"{states / cap:.2f}x | {failed or '-'} |")
+              f"{states / cap:.2f}x | {best_what or '-'} | {failed or '-'} |")
     return 0
 
 
