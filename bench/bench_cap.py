@@ -77,6 +77,12 @@ def _read(path: str, name: str) -> int:
         return int(f.read())
 
 
+def _phase(out: dict, group: str, name: str) -> None:
+    """Note the rank's charge (the held baseline included) now and its peak so far, after the phase ``name``."""
+    out.setdefault("phases", []).append((name, out["held_before"] + _read(group, "memory.usage_in_bytes"),
+                                         out["held_before"] + _read(group, "memory.max_usage_in_bytes")))
+
+
 def _rank_main(rank: int, world: int, port: int, parent: str, cap: int, blocks: int, offload: str,
                nvme_path: str, steps: int, queue) -> None:
     import pickle
@@ -92,6 +98,7 @@ def _rank_main(rank: int, world: int, port: int, parent: str, cap: int, blocks: 
         dist.init_process_group("gloo", rank=rank, world_size=world)
         import rayzero
 
+        _phase(out, group, "imported, process group up")
         zero: dict = {"stage": 3}
         if offload == "cpu":
             zero["offload_optimizer"] = {"device": "cpu"}
@@ -103,13 +110,18 @@ def _rank_main(rank: int, world: int, port: int, parent: str, cap: int, blocks: 
         with rayzero.zero_init(config=cfg):
             model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
                                                               torch.nn.Linear(4096, 1024)) for _ in range(blocks)])
+        _phase(out, group, "model built")
         engine = rayzero.initialize(model, cfg)
+        _phase(out, group, "initialized")
         g = torch.Generator().manual_seed(rank)
-        for _ in range(steps):
+        for i in range(steps):
             x = torch.randn(4, 1024, generator=g)
             loss = torch.nn.functional.mse_loss(engine(x), x)
+            _phase(out, group, f"step {i}: forward")
             engine.backward(loss)
+            _phase(out, group, f"step {i}: backward")
             engine.step()
+            _phase(out, group, f"step {i}: optimizer step")
         out["peak"] = out["held_before"] + _read(group, "memory.max_usage_in_bytes")
         engine.destroy()
         queue.put((rank, "ok", pickle.dumps(out)))
@@ -172,20 +184,26 @@ def _rank_main_deepspeed(rank: int, world: int, port: int, parent: str, cap: int
         from bench_zero import deepspeed_optimizer, init_deepspeed
 
         deepspeed = init_deepspeed()
+        _phase(out, group, "imported, process group up")
         zero, remote = deepspeed_zero_config(offload, nvme_path)
         cfg = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
                "optimizer": deepspeed_optimizer(types.SimpleNamespace(lr=1e-4))}
         with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device=remote):
             model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
                                                               torch.nn.Linear(4096, 1024)) for _ in range(blocks)])
+        _phase(out, group, "model built")
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        _phase(out, group, "initialized")
         out["optimizer"] = type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__
         g = torch.Generator().manual_seed(rank)
-        for _ in range(steps):
+        for i in range(steps):
             x = torch.randn(4, 1024, generator=g)
             loss = torch.nn.functional.mse_loss(engine(x), x)
+            _phase(out, group, f"step {i}: forward")
             engine.backward(loss)
+            _phase(out, group, f"step {i}: backward")
             engine.step()
+            _phase(out, group, f"step {i}: optimizer step")
         out["peak"] = out["held_before"] + _read(group, "memory.max_usage_in_bytes")
         queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:
@@ -235,6 +253,11 @@ def trial(a, system: str, blocks: int, offload: str) -> tuple[bool, str, float]:
     what = f"peak charge {peak:.0f} MiB"
     if "optimizer" in ranks[0]:
         what += f", optimizer {ranks[0]['optimizer']}"
+    if a.phases:
+        for r, out in enumerate(ranks):
+            for name, now, peak in out["phases"]:
+                print(f"[cap]   {system} {offload} {blocks} blocks, rank {r}, {name}: charge {now / MIB:.0f} MiB, "
+                      f"peak so far {peak / MIB:.0f} MiB", file=sys.stderr, flush=True)
     return True, what, wall
 
 
@@ -253,6 +276,9 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", default="2,4,8,12,16,24,32,48", help="the ladder of block counts")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per trial")
+    p.add_argument("--phases", action="store_true",
+                   help="print each rank's charge and peak after set-up, build, initialize and each step's "
+                        "forward, backward and optimizer step (passed trials)")
     p.add_argument("--nvme-path", default=os.path.join(tempfile.gettempdir(), "rayzero-bench-cap-swap"))
     a = p.parse_args(argv)
     if not os.access(CGROUP, os.W_OK):
