@@ -145,7 +145,7 @@ def deepspeed_zero_config(offload: str, nvme_path: str) -> tuple[dict, str | Non
     weight), parameter buffer_count 4 and optimizer buffer_count 4 (the DeepSpeed default written out).
     """
     base, _, sized = offload.partition("-")
-    if base not in ("none", "cpu", "nvme") or sized not in ("", "sized"):
+    if base not in ("none", "cpu", "nvme") or offload not in (base, base + "-sized"):
         raise ValueError(f"unknown DeepSpeed config {offload!r}: none, cpu, nvme, optionally with -sized")
     zero: dict = {"stage": 3}
     remote = None
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default=None,
                    help="offload configs to try, comma-separated (default: rayzero none,cpu,nvme; deepspeed "
                         "none,cpu,cpu-sized,nvme,nvme-sized)")
-    p.add_argument("--blocks", default="2,4,8,12,16,24,32,48", help="the ladder of block counts")
+    p.add_argument("--blocks", default="1,2,4,8,12,16,24,32,48", help="the ladder of block counts")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per trial")
     p.add_argument("--phases", action="store_true",
