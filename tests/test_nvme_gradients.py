@@ -39,7 +39,7 @@ def _run(rank: int, world: int, zero: dict, gas: int, optimizer: dict, use_zero_
             sharded = [p._rayzero_shard for p in model.parameters()]
             in_memory = sum(isinstance(s, torch.Tensor) for s in sharded)
             del sharded
-            files = sorted(os.listdir(shard_dir)) if shard_dir else []
+            files = sorted(os.listdir(os.path.join(shard_dir, "rayzero-swap"))) if shard_dir else []
     else:
         torch.manual_seed(0)
         model = _model()
@@ -62,7 +62,8 @@ def _run(rank: int, world: int, zero: dict, gas: int, optimizer: dict, use_zero_
     state = {k: v.clone() for k, v in engine.full_state_dict().items()}
     groups = len(engine.partitions.groups)
     engine.destroy()
-    left = sorted(os.listdir(shard_dir)) if shard_dir else []
+    root = os.path.join(shard_dir, "rayzero-swap") if shard_dir else None
+    left = sorted(os.listdir(root)) if root and os.path.isdir(root) else []
     return dict(losses=losses, norms=norms, state=state, grads_held=grads_held, on_disk=on_disk, groups=groups,
                 in_memory=in_memory, files=files, left=left)
 
@@ -96,6 +97,6 @@ def test_nvme_gradients_match_no_offload(tmp_path):
         assert set(ref["grads_held"]) != {0}
     # zero_init under the NVMe config: the shards were files, never tensors, and every file is gone after
     assert nvme["in_memory"] == 0
-    assert any(f.startswith("rayzero-zero-init-rank") for f in nvme["files"])
-    assert not any(f.startswith("rayzero-zero-init-rank") for f in nvme["left"]), nvme["left"]
+    assert any("-zero-init-" in f for f in nvme["files"])
+    assert not any("-zero-init-" in f for f in nvme["left"]), nvme["left"]
     assert plain["in_memory"] == 2 * BLOCKS * 2

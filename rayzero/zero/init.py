@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -29,17 +30,23 @@ from rayzero.zero.layout import ceil_div
 
 
 class _ShardFiles:
-    """A swap store of zero_init's own under the config's NVMe path: one file per shard until the engine has
-    read it into the master (the file goes with its handle), the directory once the context has exited and
-    the last shard is gone (or at process exit)."""
+    """A swap store of zero_init's own under the config's NVMe path (``<nvme_path>/rayzero-swap/<host>-<pid>-
+    rank<r>-zero-init-*``): one file per shard until the engine has read it into the master (the file goes
+    with its handle), the directory once the context has exited and the last shard is gone (or at process
+    exit)."""
 
     def __init__(self, path: str, rank: int):
         import tempfile
 
+        from rayzero.offload.swap_dirs import hostname, prepare_root, remove_stale, write_owner
         from rayzero.offload.swap_store import SwapStore
 
-        os.makedirs(path, exist_ok=True)
-        self.directory = tempfile.mkdtemp(prefix=f"rayzero-zero-init-rank{rank}-", dir=path)
+        # beside the engines' swap directories, with the same owner record: a run killed before its engine
+        # read the shards leaves a directory that the next run on this host removes (swap_dirs.remove_stale)
+        root = prepare_root(path)
+        remove_stale(root)
+        self.directory = tempfile.mkdtemp(prefix=f"{hostname()}-{os.getpid()}-rank{rank}-zero-init-", dir=root)
+        write_owner(Path(self.directory), rank=rank)
         self.store = SwapStore(self.directory)
         self.count = 0
         self.live = 0
@@ -71,9 +78,12 @@ class _ShardFiles:
 
 
 def _close_shard_files(store, directory: str) -> None:
+    import shutil
+
     store.close(remove_files=True)
-    try:
-        os.rmdir(directory)
+    shutil.rmtree(directory, ignore_errors=True)  # (its owner record)
+    try:  # leave nvme_path as it was when this was the last directory in it
+        os.rmdir(os.path.dirname(directory))
     except OSError:
         pass
 
