@@ -83,6 +83,27 @@ def _phase(out: dict, group: str, name: str) -> None:
                                          out["held_before"] + _read(group, "memory.max_usage_in_bytes")))
 
 
+def bench_model(blocks: int) -> torch.nn.Module:
+    """The bench model: ``blocks`` of Linear(1024, 4096) -> GELU -> Linear(4096, 1024)."""
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
+                                                     torch.nn.Linear(4096, 1024)) for _ in range(blocks)])
+
+
+def _train(engine, rank: int, steps: int, out: dict, group: str) -> None:
+    """``steps`` steps of either system's engine (forward, backward, step), each phase's charge recorded;
+    then the peak charge of the rank's group (the post-import baseline included)."""
+    g = torch.Generator().manual_seed(rank)
+    for i in range(steps):
+        x = torch.randn(4, 1024, generator=g)
+        loss = torch.nn.functional.mse_loss(engine(x), x)
+        _phase(out, group, f"step {i}: forward")
+        engine.backward(loss)
+        _phase(out, group, f"step {i}: backward")
+        engine.step()
+        _phase(out, group, f"step {i}: optimizer step")
+    out["peak"] = out["held_before"] + _read(group, "memory.max_usage_in_bytes")
+
+
 def _rank_main(rank: int, world: int, port: int, parent: str, cap: int, blocks: int, offload: str,
                nvme_path: str, steps: int, queue) -> None:
     import pickle
@@ -108,21 +129,11 @@ def _rank_main(rank: int, world: int, port: int, parent: str, cap: int, blocks: 
         cfg = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
         with rayzero.zero_init(config=cfg):
-            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
-                                                              torch.nn.Linear(4096, 1024)) for _ in range(blocks)])
+            model = bench_model(blocks)
         _phase(out, group, "model built")
         engine = rayzero.initialize(model, cfg)
         _phase(out, group, "initialized")
-        g = torch.Generator().manual_seed(rank)
-        for i in range(steps):
-            x = torch.randn(4, 1024, generator=g)
-            loss = torch.nn.functional.mse_loss(engine(x), x)
-            _phase(out, group, f"step {i}: forward")
-            engine.backward(loss)
-            _phase(out, group, f"step {i}: backward")
-            engine.step()
-            _phase(out, group, f"step {i}: optimizer step")
-        out["peak"] = out["held_before"] + _read(group, "memory.max_usage_in_bytes")
+        _train(engine, rank, steps, out, group)
         engine.destroy()
         queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:
@@ -189,22 +200,12 @@ def _rank_main_deepspeed(rank: int, world: int, port: int, parent: str, cap: int
         cfg = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
                "optimizer": deepspeed_optimizer(types.SimpleNamespace(lr=1e-4))}
         with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device=remote):
-            model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(),
-                                                              torch.nn.Linear(4096, 1024)) for _ in range(blocks)])
+            model = bench_model(blocks)
         _phase(out, group, "model built")
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         _phase(out, group, "initialized")
         out["optimizer"] = type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__
-        g = torch.Generator().manual_seed(rank)
-        for i in range(steps):
-            x = torch.randn(4, 1024, generator=g)
-            loss = torch.nn.functional.mse_loss(engine(x), x)
-            _phase(out, group, f"step {i}: forward")
-            engine.backward(loss)
-            _phase(out, group, f"step {i}: backward")
-            engine.step()
-            _phase(out, group, f"step {i}: optimizer step")
-        out["peak"] = out["held_before"] + _read(group, "memory.max_usage_in_bytes")
+        _train(engine, rank, steps, out, group)
         queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
