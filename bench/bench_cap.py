@@ -104,19 +104,27 @@ def _train(engine, rank: int, steps: int, out: dict, group: str) -> None:
     out["peak"] = out["held_before"] + _read(group, "memory.max_usage_in_bytes")
 
 
+def _enter_capped_rank(rank: int, world: int, port: int, parent: str, cap: int) -> tuple[str, dict]:
+    """A trial rank's start, either system: into its capped group (what it holds already counted), then the
+    gloo process group.  Returns the group's path and the rank's record (``held_before``)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    group = _group(parent, rank)
+    out = {"held_before": cap - _join_capped_group(group, cap)}
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return group, out
+
+
 def _rank_main(rank: int, world: int, port: int, parent: str, cap: int, blocks: int, offload: str,
                nvme_path: str, steps: int, queue) -> None:
     import pickle
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     try:
-        group = _group(parent, rank)
-        limit = _join_capped_group(group, cap)
-        out = {"held_before": cap - limit}
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        group, out = _enter_capped_rank(rank, world, port, parent, cap)
         import rayzero
 
         _phase(out, group, "imported, process group up")
@@ -185,13 +193,8 @@ def _rank_main_deepspeed(rank: int, world: int, port: int, parent: str, cap: int
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     try:
-        group = _group(parent, rank)
-        limit = _join_capped_group(group, cap)
-        out = {"held_before": cap - limit}
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        group, out = _enter_capped_rank(rank, world, port, parent, cap)
         from bench_zero import deepspeed_optimizer, init_deepspeed
 
         deepspeed = init_deepspeed()
