@@ -8,6 +8,11 @@ import signal
 import torch
 import torch.nn.functional as F
 
+# what a Ray worker of the tests puts first on its path: this checkout's rayzero (not whichever one the venv
+# installed in editable mode), then the test helpers the workers import
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+WORKER_PYTHONPATH = os.pathsep.join([os.path.dirname(_TESTS), _TESTS])
+
 IN, OUT = 7, 5
 
 

@@ -22,7 +22,7 @@ import torch
 import rayzero
 from crash_cases import AttemptLog
 from distributed import run_distributed
-from ray_cases import CONFIG, Regression, cpu_fit, model_factory
+from ray_cases import WORKER_PYTHONPATH, CONFIG, Regression, cpu_fit, model_factory
 from rayzero.checkpoint.format import MANIFEST
 from rayzero.checkpoint.storage import Storage
 from rayzero.checkpoint.writer import CRASH_ENV, CRASH_ONCE_ENV
@@ -110,7 +110,7 @@ def ray_on_s3(s3, tmp_path_factory):
     right after committing checkpoint_step4 (manifest and ``latest`` written), before ``ray.train.report``."""
     ray = pytest.importorskip("ray")
     once = str(tmp_path_factory.mktemp("crash") / "killed-once")
-    env = {"PYTHONPATH": TESTS, **S3_ENV, CRASH_ENV: f"committed:{KILL_TAG}", CRASH_ONCE_ENV: once}
+    env = {"PYTHONPATH": WORKER_PYTHONPATH, **S3_ENV, CRASH_ENV: f"committed:{KILL_TAG}", CRASH_ONCE_ENV: once}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
     try:
         yield s3, once

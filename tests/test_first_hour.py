@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import rayzero
-from ray_cases import CONFIG, Regression, model_factory, mse, stop_head
+from ray_cases import WORKER_PYTHONPATH, CONFIG, Regression, model_factory, mse, stop_head
 from rayzero.train.agent import (
     autoscaler_node_types,
     can_autoscale,
@@ -302,7 +302,7 @@ def test_a_cluster_fit_started_itself_is_refused_at_once(tmp_path):
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": TESTS}})
+    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
@@ -421,7 +421,7 @@ def autoscaling_head():
     root = tempfile.mkdtemp(prefix="rzas", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
     env = dict(os.environ, HOME=os.path.join(root, "home"), RAY_TMPDIR=os.path.join(root, "rt"),
                PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), RAY_USAGE_STATS_ENABLED="0",
-               RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", PYTHONPATH=TESTS,
+               RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", PYTHONPATH=WORKER_PYTHONPATH,
                RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     env.pop("RAY_ADDRESS", None)
     os.makedirs(env["HOME"])

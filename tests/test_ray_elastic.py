@@ -12,6 +12,7 @@ import pytest
 
 import rayzero
 from ray_cases import (
+    WORKER_PYTHONPATH,
     CONFIG,
     MOE_CONFIG,
     Regression,
@@ -68,7 +69,7 @@ def _wait(pred, timeout: float, what: str, box: dict) -> None:
 
 def _grow_and_shrink(tmp_path, monkeypatch, *, workers, head_cpus, node_cpus, factory, config, name):
     """Start at ``workers[0]`` on the head, add a node (the run grows), remove it (it shrinks back)."""
-    monkeypatch.setenv("PYTHONPATH", TESTS)  # the workers import the test helpers
+    monkeypatch.setenv("PYTHONPATH", WORKER_PYTHONPATH)  # the workers import the test helpers
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")  # shrink quickly after a node leaves
     cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": head_cpus})
     flag = str(tmp_path / "slow")

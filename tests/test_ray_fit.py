@@ -14,7 +14,7 @@ import torch
 import rayzero
 from distributed import run_distributed, run_once
 from rayzero.capture.cache import kernel_archive_name
-from ray_cases import CONFIG, Regression, cpu_fit, expected_samples, final_samples, model_factory, mse, plain_run
+from ray_cases import WORKER_PYTHONPATH, CONFIG, Regression, cpu_fit, expected_samples, final_samples, model_factory, mse, plain_run
 
 ray = pytest.importorskip("ray")
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -29,7 +29,7 @@ def _plain(steps: int) -> list[float]:
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": TESTS}})
+    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     yield
     ray.shutdown()
 

@@ -12,7 +12,7 @@ import torch
 
 import rayzero
 from distributed import run_distributed
-from ray_cases import CONFIG, KillOnce, Regression, cpu_fit, expected_samples, final_samples, model_factory, mse
+from ray_cases import WORKER_PYTHONPATH, CONFIG, KillOnce, Regression, cpu_fit, expected_samples, final_samples, model_factory, mse
 
 ray = pytest.importorskip("ray")
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -23,7 +23,7 @@ DETERMINISTIC = {**CONFIG, "deterministic": True}
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": TESTS}})
+    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     yield
     ray.shutdown()
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import rayzero
-from ray_cases import CONFIG, Regression, model_factory, mse
+from ray_cases import WORKER_PYTHONPATH, CONFIG, Regression, model_factory, mse
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("moto.server", reason="moto[server] (in the test extra) provides the local S3 server")
@@ -20,7 +20,7 @@ def test_fit_writes_checkpoints_and_metrics_to_s3_and_resumes_from_there(s3):
     uri, client = s3
     storage = uri("fit-runs")
     ray.init(num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": TESTS, **S3_ENV}})
+             runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH, **S3_ENV}})
     try:
         cluster = {"workers": 2, "storage": storage, "name": "s3run", "checkpoint_every": 2, "progress": True}
         first = rayzero.fit(model_factory, cluster, config=CONFIG, data=Regression(), loss_fn=mse, max_steps=4)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import rayzero
-from ray_cases import CONFIG, Regression, model_factory, mse
+from ray_cases import WORKER_PYTHONPATH, CONFIG, Regression, model_factory, mse
 
 ray = pytest.importorskip("ray")
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -25,7 +25,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": TESTS}})
+    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     yield
     ray.shutdown()
 

@@ -15,7 +15,7 @@ import torch
 import rayzero
 from distributed import run_distributed
 from rayzero.cli import build_parser
-from ray_cases import model_factory, mse, tune_stream
+from ray_cases import WORKER_PYTHONPATH, model_factory, mse, tune_stream
 
 ray = pytest.importorskip("ray")
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -44,7 +44,7 @@ def _step_with(rank, world, path):
 
 
 def test_tune_runs_trials_on_the_cluster_and_writes_a_config_fit_and_initialize_take(tmp_path):
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": TESTS}})
+    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     try:
         before_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "rayzero-tune-*")))
         before_actors = _alive_actor_classes()
