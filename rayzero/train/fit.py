@@ -23,6 +23,7 @@ from rayzero.train.metrics import new_worker_group, read_metrics
 from rayzero.train.offload_check import absolute_nvme_paths, check_swap_fits, node_slots, resolve_auto, swap_path
 from rayzero.train.planning import MicroBatchSizes, StepPlan, plan_range, skipped_sizes
 from rayzero.train.state_memory import _check_fits, _model_for_count
+from rayzero.train.validation import check_fit_args, check_model
 from rayzero.train.worker import WorkerSpec, train_loop_per_worker
 
 logger = logging.getLogger("rayzero")
@@ -378,6 +379,8 @@ def fit(
 
     cluster = ClusterConfig.from_any(cluster_cfg)
     cfg = Config.from_any(config if config is not None else {})
+    check_fit_args(model=model, data=data, loss_fn=loss_fn, max_steps=max_steps, train_step=train_step,
+                   collate=collate, seed=seed, shuffle=shuffle, record_samples=record_samples, zero_init=zero_init)
     absolute_nvme_paths(cfg)
     # the model-parallel layout: tp ranks share one data shard; ep splits the data-parallel ranks further
     tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
@@ -395,11 +398,9 @@ def fit(
             "the zero_init shards to cut the EP/TP slices, so it saves no memory there; leave zero_init unset "
             "(each rank builds the model, then keeps only its slices)"
         )
-    if max_steps < 1:
-        raise ConfigError(f"max_steps must be >= 1, got {max_steps}")
-    if not isinstance(model, torch.nn.Module) and not callable(model):
-        raise TypeError("model must be an nn.Module or a zero-argument factory that returns one")
     _check_picklable(model)
+    counted = _model_for_count(model)  # the model itself, or the factory's built on the meta device
+    check_model(counted, model, cfg)  # it has parameters to train, and EP/TP sizes divide it
     name = cluster.name or f"rayzero-{time.strftime('%Y%m%d-%H%M%S')}"
     _check_storage(cluster.storage)
 
@@ -411,7 +412,6 @@ def fit(
     logger.info("nodes:\n%s", format_node_table(nodes))
     print(format_node_table(nodes), flush=True)
     check_probes(cfg, nodes)
-    counted = _model_for_count(model)
     auto = resolve_auto(counted, cfg, cluster, nodes)  # offload_optimizer "auto" -> "none" or "nvme"
     if auto:
         logger.info("%s", auto)
