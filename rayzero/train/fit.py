@@ -372,9 +372,11 @@ def fit(
     tp x dp (dp a multiple of ep) and the global batch is cut over the dp data shards: the ranks of one TP
     group read the same samples, and a factory is called with the data-parallel rank and size.
     """
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train import (CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig,
+                           TrainingFailedError)
+    from ray.train.torch import TorchConfig
 
+    from rayzero.train.failure_policy import RayzeroTrainer
     from rayzero.train.metrics import clear_phases, set_worker_output
 
     cluster = ClusterConfig.from_any(cluster_cfg)
@@ -469,7 +471,7 @@ def fit(
             raise TypeError(f"{what} cannot be sent to the workers ({type(e).__name__}: {e}); make it picklable "
                             "(a module-level function or class, or a factory)") from None
     workers = (cluster.min_workers, cluster.max_workers) if cluster.elastic else cluster.min_workers
-    trainer = TorchTrainer(
+    trainer = RayzeroTrainer(  # a TorchTrainer that ends the run at a fatal worker error (train/failures.py)
         _train_loop,
         train_loop_config=spec,
         torch_config=TorchConfig(backend=_torch_backend(cluster)),
@@ -511,7 +513,11 @@ def fit(
         if progress is not None:
             progress.start()
         set_worker_output(quiet=not cluster.verbose)
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except TrainingFailedError as failure:
+            _raise_fatal(failure)
+            raise
     finally:
         if progress is not None and progress.is_alive():
             progress.stop.set()
@@ -547,6 +553,20 @@ def fit(
         history=history,
         resumed_from=resume[0] if resume is not None else None,
     )
+
+
+def _raise_fatal(failure: BaseException) -> None:
+    """Raise the worker error behind ``failure`` itself when it is fatal (``rayzero.train.failures``): its type
+    and message once, with a note of the rank and why the run was not retried.  Returns when it is not."""
+    from rayzero.train.failures import fatal_error
+
+    found = fatal_error(failure)
+    if found is None:
+        return
+    rank, error = found
+    error.add_note(f"[rayzero] raised on rank {rank}; the run stopped at once without a retry (max_failures is "
+                   "for lost workers and nodes: a retry would meet this error again)")
+    raise error from None
 
 
 def _start_swap(counted, cfg: Config, cluster: ClusterConfig, worlds: list[int], name: str, root: str,
