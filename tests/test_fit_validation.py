@@ -210,10 +210,10 @@ def test_fatal_worker_errors_are_not_retried():
     from ray.exceptions import RayActorError
 
     from rayzero.checkpoint.format import CheckpointError
-    from rayzero.train.failures import NonFiniteLossError, mark_fatal
+    from rayzero.train.failures import mark_fatal
 
     assert _decision({0: rayzero.ConfigError("bad layout"), 1: rayzero.ConfigError("bad layout")}) == "RAISE"
-    assert _decision({1: NonFiniteLossError("nan")}) == "RAISE"
+    assert _decision({1: rayzero.NonFiniteLossError("nan")}) == "RAISE"
     assert _decision({0: rayzero.NonFiniteGradientError("nan")}) == "RAISE"
     assert _decision({0: mark_fatal(CheckpointError("checksum"))}) == "RAISE"
     # retried as before: an error of another kind, a checkpoint error not from a load (a failed save), and any

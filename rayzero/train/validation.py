@@ -120,6 +120,9 @@ def check_model(counted: torch.nn.Module | None, model: Any, cfg: Config) -> Non
     from rayzero.moe.auto_ep import apply_auto_ep
     from rayzero.tp.auto_tp import apply_auto_tp
 
+    quiet = logging.getLogger("rayzero.tp.auto_tp")  # its "sharded N modules" line is the workers' to say
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
     try:
         if ep_on:
             apply_auto_ep(probe, None, cfg.expert_parallel.size, 0, tp_group=None, tp_size=tp, tp_rank=0,
@@ -130,6 +133,8 @@ def check_model(counted: torch.nn.Module | None, model: Any, cfg: Config) -> Non
         raise ConfigError(f"the model cannot be laid out as the config asks: {e}") from None
     except Exception as e:  # noqa: BLE001 - slicing on the meta device is a check only: the workers run it for real
         logger.info("the driver's expert/tensor parallel check was skipped (%s: %s)", type(e).__name__, e)
+    finally:
+        quiet.setLevel(level)
 
 
 def meta_copy(model: torch.nn.Module) -> torch.nn.Module | None:
