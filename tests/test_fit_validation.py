@@ -240,3 +240,25 @@ def test_model_loss_is_the_hugging_face_outputs_loss():
     assert model_loss(torch.tensor([1.0, 3.0])).item() == 2.0
     with pytest.raises(rayzero.ConfigError, match=r"returned a CausalLMOutputWithPast \(keys \['logits'.*no loss.*labels"):
         model_loss(model(input_ids=ids))
+
+
+def test_a_checkpoint_a_worker_cannot_load_ends_the_run(tmp_path):
+    from rayzero.checkpoint.format import ChecksumError
+    from rayzero.checkpoint.storage import Storage
+    from rayzero.train.failures import FATAL_ATTR
+    from rayzero.train.worker import _load_checkpoint
+
+    torch.manual_seed(0)
+    engine = rayzero.initialize(model_factory(), {"zero_optimization": {"stage": 2}})
+    engine.backward(engine(torch.randn(4, 7)).pow(2).mean())
+    engine.step()
+    tag = engine.save_checkpoint(str(tmp_path), tag="checkpoint_step00000001")
+    frag = tmp_path / tag / "rank_00000.arrow"
+    data = bytearray(frag.read_bytes())
+    data[len(data) // 3] ^= 0xFF  # inside the first fragment's data
+    frag.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="rank_00000.arrow") as info:
+        _load_checkpoint(engine, Storage.resolve(str(tmp_path)), tag)
+    engine.destroy()
+    assert getattr(info.value, FATAL_ATTR) is True
+    assert _decision({0: info.value}) == "RAISE"  # the mark survives the trip to Ray Train's controller
