@@ -3,6 +3,7 @@
 from rayzero.config import Config, ConfigError, NotSupportedYetError
 from rayzero.engine import Engine, NonFiniteGradientError, initialize
 from rayzero.train.cluster_config import ClusterConfig
+from rayzero.train.failures import NonFiniteLossError
 from rayzero.train.fit import Result, fit
 from rayzero.zero.init import zero_init
 
@@ -21,6 +22,7 @@ __all__ = [
     "ConfigError",
     "Engine",
     "NonFiniteGradientError",
+    "NonFiniteLossError",
     "NotSupportedYetError",
     "Result",
     "fit",

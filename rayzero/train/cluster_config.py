@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
@@ -83,19 +84,10 @@ class ClusterConfig:
         return self.min_workers != self.max_workers
 
     def validate(self) -> None:
-        w = self.workers
-        if isinstance(w, list):
-            self.workers = w = tuple(w)
-        if isinstance(w, tuple):
-            if len(w) != 2 or not all(isinstance(x, int) for x in w) or not 1 <= w[0] <= w[1]:
-                raise ConfigError(f"workers={w!r}: an elastic range is (min, max) with 1 <= min <= max")
-        elif not isinstance(w, int) or w < 1:
-            raise ConfigError(f"workers={w!r}: give a positive int, or (min, max) for an elastic run")
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.max_failures < 0:
-            raise ConfigError(
-                "checkpoint_every must be >= 0, keep_checkpoints >= 1 and max_failures >= 0 "
-                f"(got {self.checkpoint_every}, {self.keep_checkpoints}, {self.max_failures})"
-            )
+        """Type and range of every field, each error naming the field (``check_fields``), then the GPU share."""
+        check_fields(self)
+        if isinstance(self.workers, list):
+            self.workers = tuple(self.workers)
         gpus = self.resources_per_worker.get("GPU", 0) if isinstance(self.resources_per_worker, Mapping) else 0
         if gpus and (not isinstance(gpus, (int, float)) or gpus < 0 or gpus != int(gpus)):
             # Ray would place two such workers on one GPU, and a device backend (NCCL) refuses two ranks on
@@ -105,8 +97,73 @@ class ClusterConfig:
                 "cannot share one device); give every worker whole GPUs ({'GPU': 1}), and as many workers per "
                 "node as it has GPUs"
             )
+        if isinstance(self.storage, os.PathLike):
+            self.storage = os.fspath(self.storage)
         if "://" not in self.storage:
             self.storage = os.path.abspath(self.storage)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _workers_ok(v: Any) -> bool:
+    if isinstance(v, (tuple, list)):
+        return len(v) == 2 and all(_is_int(x) and x >= 1 for x in v) and v[0] <= v[1]
+    return _is_int(v) and v >= 1
+
+
+def _resources_ok(v: Any) -> bool:
+    return isinstance(v, Mapping) and all(
+        isinstance(k, str) and k and _is_number(n) and n >= 0 for k, n in v.items()
+    )
+
+
+def _micro_ok(v: Any) -> bool:
+    return v is None or (isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(x) and x >= 1 for x in v))
+
+
+def _name_ok(v: Any) -> bool:
+    return v is None or (isinstance(v, str) and v.strip() != "" and "/" not in v and "\\" not in v
+                         and v not in (".", ".."))
+
+
+# every field: (the check, what it must be).  tests/test_fit_validation.py walks this table and fails when a
+# field of ClusterConfig has no entry.
+FIELD_CHECKS: dict[str, tuple[Any, str]] = {
+    "workers": (_workers_ok, "an int >= 1, or (min, max) with 1 <= min <= max for an elastic run"),
+    "use_gpu": (lambda v: isinstance(v, bool), "True or False"),
+    "resources_per_worker": (_resources_ok, "a dict of Ray resource name -> amount >= 0, e.g. {'CPU': 1}"),
+    "storage": (lambda v: isinstance(v, (str, os.PathLike)) and os.fspath(v).strip() != "",
+                "a local path or a pyarrow.fs URI (a non-empty str)"),
+    "name": (_name_ok, "None (a name from the start time) or a non-empty str without '/'"),
+    "max_failures": (lambda v: _is_int(v) and v >= 0, "an int >= 0 (worker-group restarts allowed)"),
+    "checkpoint_every": (lambda v: _is_int(v) and v >= 0, "an int >= 0 (steps between checkpoints; 0: only at the end)"),
+    "keep_checkpoints": (lambda v: _is_int(v) and v >= 1, "an int >= 1 (checkpoints kept in storage)"),
+    "address": (lambda v: v is None or (isinstance(v, str) and v.strip() != ""),
+                "None or a Ray address such as 'ray://head:10001' or 'auto'"),
+    "micro_batch_sizes": (_micro_ok, "None or a non-empty list of ints >= 1 (acceptable micro-batch sizes)"),
+    "elastic_check_interval_s": (lambda v: _is_number(v) and v > 0, "a number of seconds > 0"),
+    "start_timeout_s": (lambda v: _is_number(v) and v >= 0, "a number of seconds >= 0"),
+    "progress": (lambda v: isinstance(v, bool), "True or False"),
+    "verbose": (lambda v: isinstance(v, bool), "True or False"),
+}
+
+
+def check_fields(cfg: ClusterConfig) -> None:
+    """A ConfigError naming the first field of ``cfg`` whose value has the wrong type or range."""
+    for f in fields(cfg):
+        check = FIELD_CHECKS.get(f.name)
+        if check is None:
+            continue
+        ok, what = check
+        value = getattr(cfg, f.name)
+        if not ok(value):
+            raise ConfigError(f"ClusterConfig.{f.name}={value!r} ({type(value).__name__}): must be {what}")

@@ -23,6 +23,7 @@ from rayzero.train.metrics import new_worker_group, read_metrics
 from rayzero.train.offload_check import absolute_nvme_paths, check_swap_fits, node_slots, resolve_auto, swap_path
 from rayzero.train.planning import MicroBatchSizes, StepPlan, plan_range, skipped_sizes
 from rayzero.train.state_memory import _check_fits, _model_for_count
+from rayzero.train.validation import check_fit_args, check_model
 from rayzero.train.worker import WorkerSpec, train_loop_per_worker
 
 logger = logging.getLogger("rayzero")
@@ -371,13 +372,17 @@ def fit(
     tp x dp (dp a multiple of ep) and the global batch is cut over the dp data shards: the ranks of one TP
     group read the same samples, and a factory is called with the data-parallel rank and size.
     """
-    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train import (CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig,
+                           TrainingFailedError)
+    from ray.train.torch import TorchConfig
 
+    from rayzero.train.failure_policy import RayzeroTrainer
     from rayzero.train.metrics import clear_phases, set_worker_output
 
     cluster = ClusterConfig.from_any(cluster_cfg)
     cfg = Config.from_any(config if config is not None else {})
+    check_fit_args(model=model, data=data, loss_fn=loss_fn, max_steps=max_steps, train_step=train_step,
+                   collate=collate, seed=seed, shuffle=shuffle, record_samples=record_samples, zero_init=zero_init)
     absolute_nvme_paths(cfg)
     # the model-parallel layout: tp ranks share one data shard; ep splits the data-parallel ranks further
     tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
@@ -395,11 +400,9 @@ def fit(
             "the zero_init shards to cut the EP/TP slices, so it saves no memory there; leave zero_init unset "
             "(each rank builds the model, then keeps only its slices)"
         )
-    if max_steps < 1:
-        raise ConfigError(f"max_steps must be >= 1, got {max_steps}")
-    if not isinstance(model, torch.nn.Module) and not callable(model):
-        raise TypeError("model must be an nn.Module or a zero-argument factory that returns one")
     _check_picklable(model)
+    counted = _model_for_count(model)  # the model itself, or the factory's built on the meta device
+    check_model(counted, model, cfg)  # it has parameters to train, and EP/TP sizes divide it
     name = cluster.name or f"rayzero-{time.strftime('%Y%m%d-%H%M%S')}"
     _check_storage(cluster.storage)
 
@@ -411,7 +414,6 @@ def fit(
     logger.info("nodes:\n%s", format_node_table(nodes))
     print(format_node_table(nodes), flush=True)
     check_probes(cfg, nodes)
-    counted = _model_for_count(model)
     auto = resolve_auto(counted, cfg, cluster, nodes)  # offload_optimizer "auto" -> "none" or "nvme"
     if auto:
         logger.info("%s", auto)
@@ -469,7 +471,7 @@ def fit(
             raise TypeError(f"{what} cannot be sent to the workers ({type(e).__name__}: {e}); make it picklable "
                             "(a module-level function or class, or a factory)") from None
     workers = (cluster.min_workers, cluster.max_workers) if cluster.elastic else cluster.min_workers
-    trainer = TorchTrainer(
+    trainer = RayzeroTrainer(  # a TorchTrainer that ends the run at a fatal worker error (train/failures.py)
         _train_loop,
         train_loop_config=spec,
         torch_config=TorchConfig(backend=_torch_backend(cluster)),
@@ -511,7 +513,11 @@ def fit(
         if progress is not None:
             progress.start()
         set_worker_output(quiet=not cluster.verbose)
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except TrainingFailedError as failure:
+            _raise_fatal(failure)
+            raise
     finally:
         if progress is not None and progress.is_alive():
             progress.stop.set()
@@ -547,6 +553,20 @@ def fit(
         history=history,
         resumed_from=resume[0] if resume is not None else None,
     )
+
+
+def _raise_fatal(failure: BaseException) -> None:
+    """Raise the worker error behind ``failure`` itself when it is fatal (``rayzero.train.failures``): its type
+    and message once, with a note of the rank and why the run was not retried.  Returns when it is not."""
+    from rayzero.train.failures import fatal_error
+
+    found = fatal_error(failure)
+    if found is None:
+        return
+    rank, error = found
+    error.add_note(f"[rayzero] raised on rank {rank}; the run stopped at once without a retry (max_failures is "
+                   "for lost workers and nodes: a retry would meet this error again)")
+    raise error from None
 
 
 def _start_swap(counted, cfg: Config, cluster: ClusterConfig, worlds: list[int], name: str, root: str,

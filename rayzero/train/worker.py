@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -90,8 +91,27 @@ def _forward_loss(engine, spec: WorkerSpec, batch) -> torch.Tensor:
     inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
     out = engine(**inputs) if isinstance(inputs, dict) else engine(inputs)
     if spec.loss_fn is None:
-        return out if torch.is_tensor(out) and out.dim() == 0 else out.float().mean()
+        return model_loss(out)
     return spec.loss_fn(out, batch)
+
+
+def model_loss(out: Any) -> torch.Tensor:
+    """The loss ``fit`` takes from the model's own output when no ``loss_fn`` is given: a scalar tensor as it
+    is, another tensor's mean, or the ``loss`` of a Hugging Face ``ModelOutput`` (or a dict with a "loss"),
+    which the model computes when the batch holds its ``labels``."""
+    if torch.is_tensor(out):
+        return out if out.dim() == 0 else out.float().mean()
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if torch.is_tensor(loss):
+        return loss if loss.dim() == 0 else loss.float().mean()
+    keys = f" (keys {list(out.keys())})" if isinstance(out, Mapping) else ""
+    raise rayzero.ConfigError(
+        f"fit got no loss_fn and the model returned a {type(out).__name__}{keys} with no loss; give the batch "
+        "the model's labels (a Hugging Face model then returns its loss: a dict batch like {'input_ids': ..., "
+        "'labels': ...}), or pass loss_fn(model_output, batch) -> loss, or train_step(engine, batch)"
+    )
 
 
 def _collated(ids_per_micro_batch, data, collate: Callable, seen: list):
@@ -238,7 +258,7 @@ def _train(spec: WorkerSpec) -> dict:
         # A worker died after committing ``newer`` but before Ray Train recorded it: resume from that commit
         # (redoing its steps could fork from it, and an object store refuses to overwrite it), and record it
         # with Ray now, so that Ray's latest checkpoint, keep_checkpoints and later restarts agree.
-        engine.load_checkpoint(storage, tag=newer)
+        _load_checkpoint(engine, storage, newer)
         resumed_from = newer
         ray.train.report(
             {"step": engine.global_steps, "samples": engine.global_samples, "world_size": world,
@@ -248,7 +268,7 @@ def _train(spec: WorkerSpec) -> dict:
         )
     elif checkpoint is not None:
         parent, tag = os.path.split(checkpoint.path.rstrip("/"))
-        engine.load_checkpoint(Storage.on(checkpoint.filesystem, parent), tag=tag)
+        _load_checkpoint(engine, Storage.on(checkpoint.filesystem, parent), tag)
         resumed_from = tag
     start_step = engine.global_steps
     if rank == 0:
@@ -261,6 +281,7 @@ def _train(spec: WorkerSpec) -> dict:
     collate = spec.collate or _default_collate
     last_time = time.perf_counter()
     loss_value = float("nan")
+    skipped = engine.skipped_steps  # steps the engine skipped (fp16 overflow, nonfinite_grad "skip")
     for step in range(start_step, spec.max_steps):
         ids_seen: list = []
         if order is not None:
@@ -272,6 +293,9 @@ def _train(spec: WorkerSpec) -> dict:
         if world > 1:  # every data shard appears tp times in the world, so the world mean is the shards' mean
             step_loss = engine.comm.sum_scalar(step_loss)
         loss_value = step_loss.item() / world  # the step's one read of the loss
+        if not math.isfinite(loss_value) and engine.skipped_steps == skipped:
+            raise _non_finite_loss(loss_value, step + 1, spec)
+        skipped = engine.skipped_steps
         if samples_log is not None:
             with open(samples_log, "a") as f:
                 f.write(json.dumps({"step": step, "rank": rank, "world_size": world, "dp_rank": dp_rank,
@@ -308,6 +332,33 @@ def _train(spec: WorkerSpec) -> dict:
     result = {"final_loss": loss_value, "world_size": world, "start_step": start_step, "resumed_from": resumed_from}
     engine.destroy()
     return result
+
+
+def _load_checkpoint(engine, storage: Storage, tag: str) -> None:
+    """Load checkpoint ``tag``; a checkpoint this rank cannot load ends the run without retry (every retry
+    would load the same one), except the error that only reports another rank's failure: that rank's own
+    error decides."""
+    from rayzero.checkpoint.format import CheckpointError
+    from rayzero.train.failures import mark_fatal
+
+    try:
+        engine.load_checkpoint(storage, tag=tag)
+    except CheckpointError as e:
+        if "failed on another rank" not in str(e):  # engine.load_checkpoint's message for a peer's failure
+            mark_fatal(e)
+        raise
+
+
+def _non_finite_loss(value: float, step: int, spec: WorkerSpec) -> Exception:
+    from rayzero.train.failures import NonFiniteLossError
+
+    where = "train_step" if spec.train_step is not None else "loss_fn" if spec.loss_fn is not None else "model"
+    return NonFiniteLossError(
+        f"the loss of step {step} is {value} (from the {where}) and the step was not skipped; a retry from the "
+        "last checkpoint would meet it again, so the run stops here. Check the data and the loss for inf/nan, "
+        'lower the learning rate, or set "nonfinite_grad": "skip" in the config to skip steps whose gradients '
+        "are not finite"
+    )
 
 
 def _bind_device() -> None:
@@ -383,12 +434,14 @@ def _stream_batches(spec: WorkerSpec, rank: int, world: int, plan, start_step: i
     if spec.data is None:
         shard = ray.train.get_dataset_shard("train")
         if shard is None:
-            raise ValueError("fit() got no data: pass a torch Dataset, a ray.data Dataset or an iterable factory")
+            raise rayzero.ConfigError(
+                "fit() got no data: pass a torch Dataset, a ray.data Dataset or an iterable factory")
         source = shard.iter_torch_batches(batch_size=plan.micro_batch, drop_last=True)
     elif callable(spec.data):
         source = iter(spec.data(rank, world, plan.micro_batch))
     else:
-        raise ValueError(f"unsupported data {type(spec.data).__name__}: use a map-style Dataset or a factory")
+        raise rayzero.ConfigError(
+            f"unsupported data {type(spec.data).__name__}: use a map-style Dataset or a factory")
     def fresh():
         if callable(spec.data):
             return iter(spec.data(rank, world, plan.micro_batch))

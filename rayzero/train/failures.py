@@ -1,0 +1,68 @@
+"""Which worker errors ``rayzero.fit`` retries, and which end the run at once.
+
+Ray Train retries a failed worker group up to ``ClusterConfig.max_failures`` times from the latest checkpoint.
+That is right for a lost node or a killed worker, and pointless for an error that the next attempt meets
+again at the same place: a config the model cannot be laid out with, a model or data of the wrong kind, a
+non-finite loss or gradient, a checkpoint that cannot be loaded.  Those errors are *fatal*: rayzero's
+failure policy (``rayzero.train.failure_policy``, handed to Ray Train's controller) ends the run at the first
+one, and ``fit`` raises that error itself (its type and message, once) instead of Ray Train's
+``WorkerGroupError``, which repeats every rank's traceback.
+
+Fatal: :class:`rayzero.ConfigError` (and ``NotSupportedYetError``), :class:`NonFiniteLossError`,
+:class:`rayzero.NonFiniteGradientError`, and a :class:`~rayzero.checkpoint.format.CheckpointError` raised
+while a worker loads its checkpoint (``mark_fatal``: a save that fails, for example because a peer died
+mid-save, is retried as before).  A failure in which any worker died (its process or node lost) is always
+left to Ray Train's own policy: the other ranks' errors may then be its consequence.
+"""
+
+from __future__ import annotations
+
+FATAL_ATTR = "_rayzero_fatal"  # set on an exception instance that ends the run without retry (mark_fatal)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss of a training step under ``rayzero.fit`` is NaN or infinite and the engine did not skip the
+    step: every retry from the last checkpoint would meet it again."""
+
+
+def mark_fatal(error: BaseException) -> BaseException:
+    """Mark ``error`` as one that no retry can get past; the mark travels with the pickled exception."""
+    setattr(error, FATAL_ATTR, True)
+    return error
+
+
+def is_fatal(error: BaseException) -> bool:
+    """Whether a worker's error ends the run without retry (see the module docstring)."""
+    from rayzero.config import ConfigError
+    from rayzero.engine import NonFiniteGradientError
+
+    return bool(getattr(error, FATAL_ATTR, False)) or isinstance(
+        error, (ConfigError, NonFiniteLossError, NonFiniteGradientError)
+    )
+
+
+def _died(error: BaseException) -> bool:
+    """A worker that did not raise but was lost (its actor, process or node died, or stopped answering)."""
+    from ray.exceptions import RayActorError
+
+    try:
+        from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError
+
+        lost: tuple = (RayActorError, WorkerHealthCheckFailedError, WorkerHealthCheckTimeoutError)
+    except ImportError:
+        lost = (RayActorError,)
+    return isinstance(error, lost)
+
+
+def fatal_error(failure: BaseException) -> tuple[int, BaseException] | None:
+    """``(rank, error)`` of the fatal error behind Ray Train's ``failure`` (a ``WorkerGroupError``), the lowest
+    rank's; None when the failure is not fatal (no fatal error, or a worker was lost)."""
+    failures = getattr(failure, "worker_failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return None
+    if any(_died(e) for e in failures.values()):
+        return None
+    for rank in sorted(failures):
+        if is_fatal(failures[rank]):
+            return rank, failures[rank]
+    return None
