@@ -483,7 +483,13 @@ def fit(
         if progress is not None:
             progress.start()
         set_worker_output(quiet=not cluster.verbose)
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except Exception as e:  # Ray's wrapper around a worker's error: rayzero's own error where it is one
+            ours = _user_error(e)
+            if ours is e:
+                raise
+            raise ours from None
     finally:
         if progress is not None and progress.is_alive():
             progress.stop.set()
@@ -529,11 +535,12 @@ def _user_error(error: BaseException) -> BaseException:
     failures = getattr(error, "worker_failures", None) or {}
     for rank in sorted(failures):
         cause = failures[rank]
-        while cause is not None and not isinstance(cause, CheckpointError):
-            cause = cause.__cause__
-        if cause is not None:
+        seen = 0
+        while cause is not None and not isinstance(cause, CheckpointError) and seen < 8:
+            cause, seen = getattr(cause, "cause", None) or cause.__cause__, seen + 1  # (a RayTaskError's .cause)
+        if isinstance(cause, CheckpointError):
             ours = CheckpointError(f"{cause} (rank {rank})")
-            ours.__cause__ = error
+            ours.__cause__ = error  # Ray's error, with every worker's traceback
             return ours
     return error
 
