@@ -216,3 +216,15 @@ def test_resume_from_picks_a_checkpoint_by_hand_and_refuses_a_missing_or_bad_one
         rayzero.ClusterConfig(resume_from=4, storage=str(tmp_path)).validate()
     with pytest.raises(ConfigError, match=r"resume_from=-1: give a checkpoint tag"):
         rayzero.ClusterConfig(name="run", resume_from=-1, storage=str(tmp_path)).validate()
+
+
+def test_fit_refuses_a_resume_from_the_run_does_not_have_before_starting_ray(tmp_path):
+    ray = pytest.importorskip("ray")
+    run = str(tmp_path / "run")
+    _saved(run, [2])
+    with pytest.raises(ConfigError, match=r"resume_from=4: run directory .* has no committed checkpoint "
+                                          r"'checkpoint_step00000004'; its checkpoints: checkpoint_step00000002"):
+        rayzero.fit(lambda: torch.nn.Linear(8, 3), {"workers": 1, "storage": str(tmp_path), "name": "run",
+                                                     "resume_from": 4, "progress": False},
+                    config=CONFIG, data=[torch.zeros(8)] * 4, max_steps=3)
+    assert not ray.is_initialized()
