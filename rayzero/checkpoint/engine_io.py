@@ -27,6 +27,7 @@ from rayzero.checkpoint.format import (
     CheckpointError,
     Deferred,
     Fragment,
+    StorageFullError,
     dtype_name,
 )
 from rayzero.checkpoint.reader import FragmentIndex, read_manifest, resolve_tag
@@ -41,7 +42,8 @@ from rayzero.checkpoint.optimizer_load import (
 from rayzero.checkpoint.rng import rederive_rng, rng_state, set_rng_state
 from rayzero.checkpoint.slices import prod, slice_filler
 from rayzero.parallel.slicing import full_shape_of, layout_dicts, slice_index, splits_of
-from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_dir, wait_discards, write_rank
+from rayzero.checkpoint.writer import (BackgroundSave, abort, check_space, commit, fragment_bytes, prepare, staging_dir,
+                                      wait_discards, write_rank)
 
 if TYPE_CHECKING:
     from rayzero.engine import Engine
@@ -304,6 +306,14 @@ def build_manifest(engine: "Engine", tag: str, client_state: Any) -> dict:
 
 
 # ---- save ----------------------------------------------------------------------------------------------
+def _sum_ranks(engine: "Engine", nbytes: int) -> int:
+    """The whole checkpoint's bytes: every rank's own, summed over the group (float64 holds them exactly)."""
+    if engine.comm.world == 1:
+        return nbytes
+    value = torch.tensor([float(nbytes)], dtype=torch.float64, device=engine.comm.device)
+    return int(engine.comm.sum_scalar(value).item())
+
+
 class CheckpointIO:
     """The engine's checkpoint side: at most one save in flight, and the wait points that settle it."""
 
@@ -313,13 +323,17 @@ class CheckpointIO:
         self._copied: threading.Event | None = None  # set once an async save's deferred copies are made
         self.staging: dict = {}  # async saves' CPU copies, reused across saves; freed by release()
         self._copy_stream = None  # async saves copy device tensors on it (made on first use)
+        self._target: tuple | None = None  # (storage, tag) of the async save in flight
 
     def wait(self) -> None:
         """Settle an in-flight save on every rank; a failure on any rank raises on all of them."""
         error = self.pending.wait() if self.pending is not None else None
+        target, self._target = self._target, None
         self.pending, self._copied = None, None
         wait_discards()  # a replaced copy of a re-saved tag is gone
         failed = self.engine.comm.any_rank(error is not None)
+        if failed and target is not None and self.engine.rank == 0:
+            abort(*target)  # a failed save leaves no staging directory behind
         if error is not None:
             raise CheckpointError(f"saving the checkpoint failed on rank {self.engine.rank}: {error}") from error
         if failed:
@@ -338,7 +352,7 @@ class CheckpointIO:
         """Process exit: finish the local part of a save without collectives."""
         if self.pending is not None:
             self.pending.wait()
-            self.pending, self._copied = None, None
+            self.pending, self._copied, self._target = None, None, None
         wait_discards()
 
     def save(self, save_dir: str, tag: str | None, client_state: Any, async_save: bool) -> str:
@@ -369,6 +383,14 @@ class CheckpointIO:
         from_device: list = []
         fragments = snapshot(engine, self.staging if async_save else None, later if defer else None,
                              from_device if async_save else None)
+        # fail fast, before any byte is written, when the volume cannot hold the checkpoint
+        short = check_space(storage, tag, _sum_ranks(engine, fragment_bytes(fragments)))
+        if engine.comm.any_rank(short is not None):
+            if engine.rank == 0:
+                abort(storage, tag)
+            raise short or StorageFullError(
+                f"not enough free space for checkpoint {tag!r} under {save_dir!r} on another rank's view of the "
+                "volume (see its error); nothing was written")
         device_copies = None
         if from_device:  # the host does not wait for them here: the save's thread does
             if self._copy_stream is None:
@@ -389,7 +411,7 @@ class CheckpointIO:
 
         copied = threading.Event()
 
-        def work() -> None:
+        def write() -> None:
             try:
                 if device_copies is not None:
                     device_copies.synchronize()
@@ -402,19 +424,33 @@ class CheckpointIO:
                 copied.set()
             write_rank(storage, staging_dir(storage, tag), rank, fragments, extra, open_group)
             fragments.clear()
+
+        def work() -> None:
+            write()
             if rank == 0:
                 commit(storage, tag, world, with_ranks)
 
         if async_save:
             self._copied = copied
+            self._target = (storage, tag)
             self.pending = BackgroundSave(work)
         else:
+            # every rank's write, then agreement, then rank 0's commit: a rank that fails to write (a full
+            # disk may refuse even its error marker) cannot leave rank 0 waiting for its marker
+            error = None
             try:
-                work()
-                error = None
+                write()
             except BaseException as e:
                 error = e
             failed = engine.comm.any_rank(error is not None)
+            if not failed and rank == 0:
+                try:
+                    commit(storage, tag, world, with_ranks)
+                except BaseException as e:
+                    error = e
+            failed = engine.comm.any_rank(error is not None) if not failed else failed
+            if failed and rank == 0:
+                abort(storage, tag)  # a failed save leaves no staging directory behind
             if error is not None:
                 raise CheckpointError(
                     f"saving checkpoint {tag!r} to {save_dir!r} failed on rank {rank}: {error}. The previous "

@@ -58,6 +58,11 @@ class ChecksumError(CheckpointError):
     pass
 
 
+class StorageFullError(CheckpointError):
+    """The checkpoint volume has less free space than a save needs; nothing was written.  A retry of the run
+    would meet it again at the same save, so ``rayzero.fit`` ends the run at once (``rayzero.train.failures``)."""
+
+
 def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.arrow"
 

@@ -35,8 +35,11 @@ import threading
 import time
 from typing import Callable, ContextManager
 
+import torch
+
 from rayzero.checkpoint import direct_io
-from rayzero.checkpoint.format import LATEST, MANIFEST, CheckpointError, Fragment, rank_file_name, write_fragments
+from rayzero.checkpoint.format import (LATEST, MANIFEST, CheckpointError, Fragment, StorageFullError, rank_file_name,
+                                      write_fragments)
 from rayzero.checkpoint.storage import HashingWriter, Storage
 
 STAGING_PREFIX = ".tmp-"
@@ -123,6 +126,54 @@ def prepare(storage: Storage, tag: str) -> None:
     storage.makedirs(stage)
     if not storage.local:
         storage.write_bytes_atomic(f"{stage}/{INCOMPLETE}", b"")
+
+
+SPACE_HEADROOM = 1 << 20  # bytes a save leaves free beyond the checkpoint: the manifest, ``latest``, and the
+# small records written beside it (Ray Train's run snapshot, the metrics lines) must still fit after it
+
+
+def fragment_bytes(fragments: list[Fragment]) -> int:
+    """The bytes of ``fragments``' data (a deferred NVMe sub-group's states are fp32)."""
+    total = 0
+    for f in fragments:
+        t = f.tensor
+        total += (f.end - f.start) * (t.element_size() if isinstance(t, torch.Tensor) else 4)
+    return total
+
+
+def volume_of(path: str) -> str:
+    """The mount point of the volume holding ``path`` (its nearest existing ancestor)."""
+    path = os.path.realpath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_space(storage: Storage, tag: str, nbytes: int) -> StorageFullError | None:
+    """Local storage: the error to raise when the volume under ``storage`` has less free space than checkpoint
+    ``tag`` needs (``nbytes`` of data, with ``SPACE_HEADROOM``), naming the volume, both numbers and the
+    checkpoint ``latest`` still names; None when it fits (and always on object stores)."""
+    if not storage.local:
+        return None
+    st = os.statvfs(storage.root)
+    free = st.f_bavail * st.f_frsize
+    need = nbytes + SPACE_HEADROOM
+    if need <= free:
+        return None
+    try:
+        kept = storage.read_bytes(storage.join(LATEST)).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        kept = ""
+    last = (f"the last checkpoint kept is {kept!r} ({storage.join(kept)}), intact" if kept else
+            "no earlier checkpoint is kept in it")
+    return StorageFullError(
+        f"not enough free space for checkpoint {tag!r} in {storage.root}: the volume {volume_of(storage.root)} has "
+        f"{free:,} bytes free and the checkpoint needs {need:,} ({nbytes:,} bytes of data and {SPACE_HEADROOM:,} "
+        f"of headroom). Nothing was written; {last}. Free space on that volume (or choose other storage) and run "
+        "again: a run resumes from its last checkpoint"
+    )
 
 
 def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment], extra: dict,

@@ -32,6 +32,8 @@ class ClusterConfig:
     ``$RAYZERO_STORAGE``, else ``~/rayzero_runs``: see :func:`default_storage`).
     ``checkpoint_every``: steps between checkpoints (0: only at the end).  ``address``: a Ray cluster to
     join; without it rayzero joins ``RAY_ADDRESS`` or a running cluster, else starts a local one.
+    ``resume_from``: resume the run (same ``name``) from this checkpoint, a tag like
+    ``"checkpoint_step00000040"`` or its step, instead of the newest one that verifies; newer ones are set aside.
     ``progress``: print the start-up phases and progress lines.  ``verbose``: leave Ray's own console output as
     Ray prints it (off: Ray Train's INFO lines, Ray's core log lines and the ranks' repeated lines are kept off
     the console; they stay in Ray's log files).
@@ -51,6 +53,7 @@ class ClusterConfig:
     start_timeout_s: float = 120.0  # how long to wait for an autoscaler to bring `min` workers' resources
     progress: bool = True  # the start-up phase lines and one progress line per update on the driver
     verbose: bool = False  # also Ray's own console output (Ray Train's INFO logs, Ray core lines, repeats)
+    resume_from: str | int | None = None  # a checkpoint of this run (tag or step) to resume from, by hand
 
     @staticmethod
     def from_any(obj: "ClusterConfig | Mapping[str, Any] | int | None") -> "ClusterConfig":
@@ -99,6 +102,10 @@ class ClusterConfig:
             )
         if isinstance(self.storage, os.PathLike):
             self.storage = os.fspath(self.storage)
+        r = self.resume_from  # (its type and range: check_fields)
+        if r is not None and not self.name:
+            raise ConfigError(f"resume_from={r!r} needs the run's name (ClusterConfig(name=...)): a run without one "
+                              "gets a new name, so it has no checkpoint to resume from")
         if "://" not in self.storage:
             self.storage = os.path.abspath(self.storage)
 
@@ -154,6 +161,9 @@ FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "start_timeout_s": (lambda v: _is_number(v) and v >= 0, "a number of seconds >= 0"),
     "progress": (lambda v: isinstance(v, bool), "True or False"),
     "verbose": (lambda v: isinstance(v, bool), "True or False"),
+    "resume_from": (lambda v: v is None or (isinstance(v, str) and v.strip("/") != "") or (_is_int(v) and v >= 0),
+                    "None (the newest checkpoint that verifies), a checkpoint tag of the run "
+                    "('checkpoint_step00000040') or its step (an int >= 0)"),
 }
 
 

@@ -9,8 +9,9 @@ one, and ``fit`` raises that error itself (its type and message, once) instead o
 ``WorkerGroupError``, which repeats every rank's traceback.
 
 Fatal: :class:`rayzero.ConfigError` (and ``NotSupportedYetError``), :class:`NonFiniteLossError`,
-:class:`rayzero.NonFiniteGradientError`, and a :class:`~rayzero.checkpoint.format.CheckpointError` raised
-while a worker loads its checkpoint (``mark_fatal``: a save that fails, for example because a peer died
+:class:`rayzero.NonFiniteGradientError`, a save that finds too little free space on the checkpoint volume
+(:class:`~rayzero.checkpoint.format.StorageFullError`), and a
+:class:`~rayzero.checkpoint.format.CheckpointError` raised while a worker loads its checkpoint (``mark_fatal``: a save that fails, for example because a peer died
 mid-save, is retried as before).  A failure in which any worker died (its process or node lost) is always
 left to Ray Train's own policy: the other ranks' errors may then be its consequence.
 """
@@ -33,11 +34,12 @@ def mark_fatal(error: BaseException) -> BaseException:
 
 def is_fatal(error: BaseException) -> bool:
     """Whether a worker's error ends the run without retry (see the module docstring)."""
+    from rayzero.checkpoint.format import StorageFullError
     from rayzero.config import ConfigError
     from rayzero.engine import NonFiniteGradientError
 
     return bool(getattr(error, FATAL_ATTR, False)) or isinstance(
-        error, (ConfigError, NonFiniteLossError, NonFiniteGradientError)
+        error, (ConfigError, NonFiniteLossError, NonFiniteGradientError, StorageFullError)
     )
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -22,6 +20,7 @@ from rayzero.train.cluster_config import ClusterConfig
 from rayzero.train.metrics import new_worker_group, read_metrics
 from rayzero.train.offload_check import absolute_nvme_paths, check_swap_fits, node_slots, resolve_auto, swap_path
 from rayzero.train.planning import MicroBatchSizes, StepPlan, plan_range, skipped_sizes
+from rayzero.train.resume import prepare_resume
 from rayzero.train.state_memory import _check_fits, _model_for_count
 from rayzero.train.validation import check_fit_args, check_model
 from rayzero.train.worker import WorkerSpec, train_loop_per_worker
@@ -205,35 +204,6 @@ def _grow(cluster: ClusterConfig, bundle: dict, want: int, why: str) -> None:
         request_resources(bundles=[])  # Ray Train asks for its workers itself once it runs
 
 
-def _resume_step(run_dir: str) -> tuple[int, str] | None:
-    """``(step, checkpoint directory name)`` of the checkpoint the workers resume from when the run at
-    ``run_dir`` starts again, or None: a fresh run.  That is the latest one in Ray Train's
-    ``checkpoint_manager_snapshot.json``, unless the storage holds a newer committed one, which the workers
-    load instead (``worker._newer_commit``)."""
-    from rayzero.train.worker import TAG_PATTERN, _newer_commit
-
-    storage = Storage.resolve(run_dir)
-    snapshot = storage.join("checkpoint_manager_snapshot.json")
-    found = None
-    try:
-        if storage.exists(snapshot):
-            latest = json.loads(storage.read_bytes(snapshot).decode()).get("latest_checkpoint_result") or {}
-            name = latest.get("checkpoint_dir_name") or ""
-            if name and storage.is_dir(storage.join(name)):
-                step = (latest.get("metrics") or {}).get("step")
-                if not isinstance(step, int):
-                    m = re.search(r"checkpoint_step(\d+)$", name)
-                    step = int(m.group(1)) if m else None
-                found = None if step is None else (step, name)
-        if storage.exists(storage.root):
-            newer = _newer_commit(storage, found[1] if found else None)
-            if newer is not None:
-                found = (int(TAG_PATTERN.fullmatch(newer).group(1)), newer)
-    except (OSError, ValueError, AttributeError):
-        return found
-    return found
-
-
 def _train_loop(spec: WorkerSpec) -> dict:
     """What Ray Train runs on each worker: rank 0 tells the driver that the worker group is up and what it builds
     and loads (``publish_phase``), then every rank runs ``worker.train_loop_per_worker``."""
@@ -372,8 +342,7 @@ def fit(
     tp x dp (dp a multiple of ep) and the global batch is cut over the dp data shards: the ranks of one TP
     group read the same samples, and a factory is called with the data-parallel rank and size.
     """
-    from ray.train import (CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig,
-                           TrainingFailedError)
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
     from rayzero.train.failure_policy import RayzeroTrainer
@@ -405,6 +374,11 @@ def fit(
     check_model(counted, model, cfg)  # it has parameters to train, and EP/TP sizes divide it
     name = cluster.name or f"rayzero-{time.strftime('%Y%m%d-%H%M%S')}"
     _check_storage(cluster.storage)
+    # a URI keeps its scheme (and query) so the driver reads the run where the workers write it
+    run_dir = _in_run(cluster.storage, name)
+    # the checkpoint to resume from (the newest that verifies, or resume_from), and Ray Train's record of the
+    # run made to agree with what is on storage, before anything starts
+    resume = prepare_resume(run_dir, cluster.resume_from, warn=lambda text: print(f"[rayzero] {text}", flush=True))
 
     started = _ensure_ray(cluster)
     _wait_for_resources(cluster, started)
@@ -433,8 +407,6 @@ def fit(
                 f"ConfigError); usable sizes: {sorted(plans)}")
         print(note, flush=True)
 
-    # a URI keeps its scheme (and query) so the driver reads the run where the workers write it
-    run_dir = _in_run(cluster.storage, name)
     config_dict = cfg.to_dict()
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         config_dict.pop(key, None)
@@ -491,7 +463,6 @@ def fit(
         ),
         datasets={"train": data} if _is_ray_dataset(data) else None,
     )
-    resume = _resume_step(run_dir)
     if resume is not None:
         _say(cluster, f"resuming run {name} from step {resume[0]} (checkpoint {resume[1]})")
     _say(cluster, f"launching {cluster.min_workers}" + (f"-{cluster.max_workers}" if cluster.elastic else "")
@@ -515,9 +486,12 @@ def fit(
         set_worker_output(quiet=not cluster.verbose)
         try:
             result = trainer.fit()
-        except TrainingFailedError as failure:
-            _raise_fatal(failure)
-            raise
+        except Exception as failure:  # Ray's wrapper around a worker's error
+            _raise_fatal(failure)  # an error no retry gets past: raised itself, once
+            ours = _user_error(failure)  # a worker's CheckpointError (a save that failed) as rayzero raised it
+            if ours is failure:
+                raise
+            raise ours from None
     finally:
         if progress is not None and progress.is_alive():
             progress.stop.set()
@@ -535,7 +509,7 @@ def fit(
 
             shutdown_compile_caches(name, compile_caches)  # uploads what the nodes compiled, then cleans them
     if result.error is not None:
-        raise result.error
+        raise _user_error(result.error)
     history = read_metrics(run_dir)
     by_step: dict[int, dict] = {}
     for r in history:  # a restart re-does steps after its checkpoint: the last record of a step wins
@@ -567,6 +541,24 @@ def _raise_fatal(failure: BaseException) -> None:
     error.add_note(f"[rayzero] raised on rank {rank}; the run stopped at once without a retry (max_failures is "
                    "for lost workers and nodes: a retry would meet this error again)")
     raise error from None
+
+
+def _user_error(error: BaseException) -> BaseException:
+    """The error ``fit`` raises for a failed run: a worker's CheckpointError (a full disk, a save that failed)
+    as rayzero raised it, with Ray's own error as its cause, rather than Ray's wrapper around it."""
+    from rayzero.checkpoint.format import CheckpointError
+
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank in sorted(failures):
+        cause = failures[rank]
+        seen = 0
+        while cause is not None and not isinstance(cause, CheckpointError) and seen < 8:
+            cause, seen = getattr(cause, "cause", None) or cause.__cause__, seen + 1  # (a RayTaskError's .cause)
+        if isinstance(cause, CheckpointError):
+            ours = CheckpointError(f"{cause} (rank {rank})")
+            ours.__cause__ = error  # Ray's error, with every worker's traceback
+            return ours
+    return error
 
 
 def _start_swap(counted, cfg: Config, cluster: ClusterConfig, worlds: list[int], name: str, root: str,
