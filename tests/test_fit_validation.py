@@ -60,6 +60,9 @@ BAD_CLUSTER = [
     ("start_timeout_s", None, "start_timeout_s=None"),
     ("progress", 1, r"progress=1 \(int\): must be True or False"),
     ("verbose", "no", "verbose='no'"),
+    ("resume_from", -1, r"resume_from=-1 \(int\): must be None"),
+    ("resume_from", "/", "resume_from='/'"),
+    ("resume_from", 2.0, r"resume_from=2.0 \(float\)"),
 ]
 
 
