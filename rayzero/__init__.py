@@ -4,6 +4,7 @@ from rayzero.config import Config, ConfigError, NotSupportedYetError
 from rayzero.engine import Engine, NonFiniteGradientError, initialize
 from rayzero.train.cluster_config import ClusterConfig
 from rayzero.train.fit import Result, fit
+from rayzero.train.stop import RunStopped
 from rayzero.zero.init import zero_init
 
 
@@ -23,6 +24,7 @@ __all__ = [
     "NonFiniteGradientError",
     "NotSupportedYetError",
     "Result",
+    "RunStopped",
     "fit",
     "initialize",
     "tune",

@@ -33,7 +33,8 @@ class ClusterConfig:
     join; without it rayzero joins ``RAY_ADDRESS`` or a running cluster, else starts a local one.
     ``progress``: print the start-up phases and progress lines.  ``verbose``: leave Ray's own console output as
     Ray prints it (off: Ray Train's INFO lines, Ray's core log lines and the ranks' repeated lines are kept off
-    the console; they stay in Ray's log files).
+    the console; they stay in Ray's log files).  ``save_on_stop``: when SIGINT/SIGTERM on the driver stops the
+    run, the workers save a checkpoint at the step they stop at (``rayzero.train.stop``).
     """
 
     workers: int | tuple[int, int] = 1
@@ -50,6 +51,7 @@ class ClusterConfig:
     start_timeout_s: float = 120.0  # how long to wait for an autoscaler to bring `min` workers' resources
     progress: bool = True  # the start-up phase lines and one progress line per update on the driver
     verbose: bool = False  # also Ray's own console output (Ray Train's INFO logs, Ray core lines, repeats)
+    save_on_stop: bool = True  # SIGINT/SIGTERM on the driver: save a checkpoint at the step the workers stop at
 
     @staticmethod
     def from_any(obj: "ClusterConfig | Mapping[str, Any] | int | None") -> "ClusterConfig":
@@ -105,6 +107,9 @@ class ClusterConfig:
                 "cannot share one device); give every worker whole GPUs ({'GPU': 1}), and as many workers per "
                 "node as it has GPUs"
             )
+        if not isinstance(self.save_on_stop, bool):
+            raise ConfigError(f"save_on_stop={self.save_on_stop!r}: give True (save a checkpoint when SIGINT/SIGTERM "
+                              "stops the run) or False")
         if "://" not in self.storage:
             self.storage = os.path.abspath(self.storage)
 

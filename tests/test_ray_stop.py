@@ -1,0 +1,92 @@
+"""Clean stops (rayzero/train/stop.py): SIGINT or SIGTERM on the driver of ``rayzero.fit`` stops the workers at
+the next step boundary with a checkpoint there, says what was saved and how to resume, and rerunning the same
+call resumes from it to the weights of an uninterrupted run.  The driver is its own process
+(tests/ray_stop_driver.py), as signals go to the driver; it joins this module's Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from ray_cases import WORKER_PYTHONPATH, cpu_fit
+
+ray = pytest.importorskip("ray")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+STEPS = 30  # at 0.1 s a step (ray_stop_driver.py) a stop half a second after the first step lands mid-run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
+    yield
+    ray.shutdown()
+
+
+def _driver(storage: str, name: str, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, os.path.join(TESTS, "ray_stop_driver.py"), ray.get_runtime_context().gcs_address,
+               storage, name, str(STEPS), *extra]
+    return subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=WORKER_PYTHONPATH), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _signal_after_first_step(proc: subprocess.Popen, run_dir: str, sig: int) -> tuple[int, str, float]:
+    """Send ``sig`` to the driver once the run's first metrics record is written; its exit status, its output and
+    the seconds from the signal to its exit."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    deadline = time.monotonic() + 240
+    while not (os.path.exists(metrics) and os.path.getsize(metrics) > 0):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the run wrote no step"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    sent = time.monotonic()
+    out, _ = proc.communicate(timeout=240)
+    return proc.returncode, out, time.monotonic() - sent
+
+
+def test_sigint_stops_at_a_step_with_a_checkpoint_and_the_same_call_resumes(tmp_path):
+    from rayzero.checkpoint.tools import export, verify
+
+    storage, name = str(tmp_path / "runs"), "stopped"
+    run_dir = os.path.join(storage, name)
+    code, out, took = _signal_after_first_step(_driver(storage, name), run_dir, signal.SIGINT)
+    print(f"SIGINT to exit: {took:.1f} s")
+    assert code == 1, out  # fit raised rayzero.RunStopped
+    found = re.search(r"run stopped stopped by SIGINT after step (\d+): saved checkpoint (checkpoint_step\d{8}) "
+                      r"\(step \1\) at (\S+)\. To resume, rerun the same call", out)
+    assert found, out
+    step, tag, path = int(found.group(1)), found.group(2), found.group(3)
+    assert 1 <= step < STEPS and tag == f"checkpoint_step{step:08d}" and path == os.path.join(run_dir, tag), out
+    assert "RunStopped" in out and "FINISHED" not in out, out
+    assert f"ray_stop_driver.py {ray.get_runtime_context().gcs_address} {storage} {name} {STEPS}" in out  # the command
+    assert verify(path) == []
+    # no step ran after the one that saved: the workers stopped there
+    from rayzero.train.metrics import read_metrics
+
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, step + 1))
+
+    proc = _driver(storage, name)  # the same call again
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert f"resuming run {name} from step {step} (checkpoint {tag})" in out, out
+    final = os.path.join(run_dir, f"checkpoint_step{STEPS:08d}")
+    assert f"FINISHED {final} {step}" in out, out
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, STEPS + 1))
+
+    # the weights of the run without a stop (ray_cases.cpu_fit: the worker's steps without Ray), bit for bit
+    config = {**__import__("ray_cases").CONFIG, "deterministic": True}
+    run_distributed(cpu_fit, 2, [{"name": "straight", "config": config}], STEPS, str(tmp_path / "cpu"))
+    export(final, str(tmp_path / "fit.pt"))
+    export(str(tmp_path / "cpu" / "straight"), str(tmp_path / "cpu.pt"), tag=f"checkpoint_step{STEPS:08d}")
+    resumed, straight = torch.load(tmp_path / "fit.pt"), torch.load(tmp_path / "cpu.pt")
+    assert list(resumed) == list(straight)
+    for key, value in straight.items():
+        assert torch.equal(resumed[key], value), key
