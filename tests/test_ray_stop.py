@@ -90,3 +90,40 @@ def test_sigint_stops_at_a_step_with_a_checkpoint_and_the_same_call_resumes(tmp_
     assert list(resumed) == list(straight)
     for key, value in straight.items():
         assert torch.equal(resumed[key], value), key
+
+
+def test_sigterm_asks_the_workers_to_stop_and_a_second_signal_aborts():
+    """The driver's side for SIGTERM (``ray job stop`` sends it), in this process: the request reaches the workers'
+    reader through the GCS, and a second signal raises at once."""
+    from rayzero.train.stop import StopSignals, StopWatcher, clear_stop, stop_requested
+
+    run, said = "terminated", []
+    clear_stop(run)
+    before = signal.getsignal(signal.SIGTERM)
+    watcher = StopWatcher(run, poll_s=0.05)  # rank 0's reader
+    watcher.start()
+    try:
+        with StopSignals(run, said.append) as signals:
+            assert not watcher.requested.wait(0.3)  # nothing asked yet
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # the handler runs in this thread at the next bytecode
+            assert signals.signal_name == "SIGTERM" and stop_requested(run) == "SIGTERM"
+            assert said == [f"SIGTERM: stopping run {run} at the next step boundary and saving a checkpoint there "
+                            "(press Ctrl-C again to abort at once: the checkpoints saved before stay good)"]
+            assert watcher.requested.wait(5)
+            aborted = (f"run {run} aborted by a second SIGINT while it stopped, without a checkpoint at the stop; "
+                       "the checkpoints saved before stay good: rerun the same call to resume from the latest")
+            with pytest.raises(KeyboardInterrupt) as raised:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            assert str(raised.value) == aborted and said[-1] == aborted
+            # Ray's wait turns a handler's exception into a bare KeyboardInterrupt: leaving the block words it again
+            raise KeyboardInterrupt
+        pytest.fail("StopSignals swallowed the KeyboardInterrupt")
+    except KeyboardInterrupt as e:
+        assert str(e) == aborted
+    finally:
+        watcher.close()
+        clear_stop(run)
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back
+    assert stop_requested(run) is None

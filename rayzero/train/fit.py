@@ -514,7 +514,7 @@ def fit(
             progress.start()
         set_worker_output(quiet=not cluster.verbose)
         clear_stop(name)  # a request left by an earlier stop of this run on this cluster
-        with StopSignals(name, _shout) as signals:
+        with StopSignals(name, _shout, cluster.save_on_stop) as signals:
             _own_stop_signals(trainer, signals)
             result = trainer.fit()
     finally:

@@ -110,10 +110,11 @@ class StopSignals:
     only from the main thread (Python's rule for signal handlers); elsewhere the signals keep their handlers.
     ``controller``: set to Ray Train's controller handle once the trainer has one."""
 
-    def __init__(self, run: str, say):
-        self.run, self.say = run, say
+    def __init__(self, run: str, say, save: bool = True):
+        self.run, self.say, self.save = run, say, save
         self.signal_name: str | None = None
         self.controller = None
+        self.aborted: str | None = None  # the message of a second signal's abort
         self.previous: dict = {}
 
     def __enter__(self) -> "StopSignals":
@@ -122,10 +123,13 @@ class StopSignals:
                 self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, value, tb) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous.clear()
+        if self.aborted and kind is not None and issubclass(kind, KeyboardInterrupt):
+            # Ray's wait turns the handler's exception into a bare KeyboardInterrupt: give it back its words
+            raise KeyboardInterrupt(self.aborted) from None
 
     def _handle(self, signum, frame) -> None:
         name = SIGNAL_NAMES.get(signum, str(signum))
@@ -137,13 +141,15 @@ class StopSignals:
                 self._abort()
                 raise KeyboardInterrupt(f"{name}: could not ask the workers of run {self.run} to stop ({e}); "
                                         "the run was aborted") from None
-            self.say(f"{name}: stopping run {self.run} at the next step boundary and saving a checkpoint there "
+            there = "saving a checkpoint there" if self.save else "without saving one there (save_on_stop=False)"
+            self.say(f"{name}: stopping run {self.run} at the next step boundary and {there} "
                      f"(press Ctrl-C again to abort at once: the checkpoints saved before stay good)")
             return
-        self.say(f"{name} again: aborting run {self.run} now, without the stop checkpoint")
+        self.aborted = (f"run {self.run} aborted by a second {name} while it stopped, without a checkpoint at the "
+                        "stop; the checkpoints saved before stay good: rerun the same call to resume from the latest")
+        self.say(self.aborted)
         self._abort()
-        raise KeyboardInterrupt(f"run {self.run} aborted by a second {name} while it stopped; the checkpoints "
-                                "saved before stay good: rerun the same call to resume from the latest")
+        raise KeyboardInterrupt(self.aborted)
 
     def _abort(self) -> None:
         if self.controller is not None:
@@ -177,7 +183,7 @@ def stopped_message(run: str, why: str, step: int | None, checkpoint: str | None
         what = f"saved checkpoint {os.path.basename(checkpoint.rstrip('/'))} (step {step}) at {checkpoint}"
     elif checkpoint:
         what = (f"no checkpoint saved at the stop (save_on_stop=False); the latest is "
-                f"{os.path.basename(checkpoint.rstrip('/'))} at {checkpoint}")
+                f"{os.path.basename(checkpoint.rstrip('/'))} at {checkpoint}, and a rerun redoes the steps after it")
     else:
         what = "no checkpoint was saved (save_on_stop=False, and none before): a rerun starts afresh"
     at = f"after step {step}" if step is not None else "before its first step"
