@@ -13,11 +13,13 @@ DETERMINISTIC = {**CONFIG, "deterministic": True}
 
 if __name__ == "__main__":
     address, storage, name, max_steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    save_on_stop = len(sys.argv) < 6 or sys.argv[5] != "no-save"
+    cluster = {"workers": 2, "storage": storage, "name": name, "checkpoint_every": 5}
+    if sys.argv[5:] == ["no-save"]:
+        cluster["save_on_stop"] = False
     ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     result = rayzero.fit(
         model_factory,
-        {"workers": 2, "storage": storage, "name": name, "checkpoint_every": 5, "save_on_stop": save_on_stop},
+        cluster,
         config=DETERMINISTIC,
         data=Regression(),
         train_step=KillOnce("/nonexistent", rank=-1, step=-1, delay_s=0.1),
