@@ -61,12 +61,14 @@ def test_sigint_stops_at_a_step_with_a_checkpoint_and_the_same_call_resumes(tmp_
     print(f"SIGINT to exit: {took:.1f} s")
     assert code == 1, out  # fit raised rayzero.RunStopped
     found = re.search(r"run stopped stopped by SIGINT after step (\d+): saved checkpoint (checkpoint_step\d{8}) "
-                      r"\(step \1\) at (\S+)\. To resume, rerun the same call", out)
+                      r"\(step \1\) at (\S+)\. To resume, rerun the same call \(ClusterConfig name 'stopped', "
+                      r"storage '([^']+)'\); this driver ran as: (.+)$", out, re.MULTILINE)
     assert found, out
     step, tag, path = int(found.group(1)), found.group(2), found.group(3)
     assert 1 <= step < STEPS and tag == f"checkpoint_step{step:08d}" and path == os.path.join(run_dir, tag), out
     assert "RunStopped" in out and "FINISHED" not in out, out
-    assert f"ray_stop_driver.py {ray.get_runtime_context().gcs_address} {storage} {name} {STEPS}" in out  # the command
+    assert found.group(4) == storage
+    assert found.group(5).endswith(f"ray_stop_driver.py {ray.get_runtime_context().gcs_address} {storage} {name} {STEPS}")
     assert verify(path) == []
     # no step ran after the one that saved: the workers stopped there
     from rayzero.train.metrics import read_metrics

@@ -162,19 +162,22 @@ class StopSignals:
 
 
 def resume_text(run: str, named: bool, storage: str) -> str:
-    """How to resume: the same call (with ``name``, which a rerun needs to find the run), and the command line."""
+    """How to resume: the same call, which finds the run by its name and storage (a name ``fit`` made from the
+    time must be given), and the command line this driver ran as."""
     if named:
-        how = "rerun the same call (same ClusterConfig name and storage)"
+        how = f"rerun the same call (ClusterConfig name {run!r}, storage {storage!r})"
     else:
         how = (f"rerun the same call with ClusterConfig(name={run!r}, storage={storage!r}) (this run's name was "
                "made from the time: without it a rerun starts a new run)")
     command = shlex.join([os.path.basename(sys.executable)] + sys.argv) if sys.argv and sys.argv[0] else None
+    if command and sys.argv[0].endswith(("ipykernel_launcher.py", "-c")):
+        command = None
     if os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
-        how += "; with `ray job submit`, submit the same entrypoint again"
+        how += "; under `ray job submit`, submit the same entrypoint again"
         if command:
-            how += f" ({command})"
-    elif command and not sys.argv[0].endswith(("ipykernel_launcher.py", "-c")):
-        how += f"; from the shell: {command}"
+            how += f" (this driver ran as: {command})"
+    elif command:
+        how += f"; this driver ran as: {command}"
     return how
 
 
