@@ -129,3 +129,19 @@ def test_sigterm_asks_the_workers_to_stop_and_a_second_signal_aborts():
         clear_stop(run)
     assert signal.getsignal(signal.SIGTERM) is before  # the handlers are put back
     assert stop_requested(run) is None
+
+
+def test_the_stop_message_without_a_save_or_a_name_and_save_on_stop_checked():
+    import rayzero
+    from rayzero.train.stop import resume_text, stopped_message
+
+    with pytest.raises(rayzero.ConfigError, match="save_on_stop='no': give True .* or False"):
+        rayzero.ClusterConfig(save_on_stop="no").validate()
+    # fit named the run from the time: the rerun must name it, or it starts a new run
+    how = resume_text("rayzero-20261206-101500", named=False, storage="/runs")
+    assert how.startswith("rerun the same call with ClusterConfig(name='rayzero-20261206-101500', storage='/runs') "
+                          "(this run's name was made from the time: without it a rerun starts a new run)")
+    text = stopped_message("r", "SIGTERM", 7, "/runs/r/checkpoint_step00000005", False, "rerun the same call")
+    assert text == ("run r stopped by SIGTERM after step 7: no checkpoint saved at the stop (save_on_stop=False); the "
+                    "latest is checkpoint_step00000005 at /runs/r/checkpoint_step00000005, and a rerun redoes the "
+                    "steps after it. To resume, rerun the same call")
