@@ -14,6 +14,7 @@ import argparse
 import math
 import os
 import re
+import shlex
 import sys
 import time
 
@@ -306,6 +307,9 @@ def main(argv=None) -> None:
         )
     except ClusterTooSmallError as e:  # --workers / --cpus-per-worker the cluster cannot host: one line, no traceback
         sys.exit(f"{os.path.basename(__file__)}: error: {e}")
+    except rayzero.RunStopped as e:  # Ctrl-C / SIGTERM: fit printed what it saved; this script's own resume command
+        again = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--resume"] + ["--name", e.run, "--resume"]
+        sys.exit(f"{os.path.basename(__file__)}: stopped; to resume: python {shlex.join(['examples/train.py', *again])}")
     losses = result.losses
     if result.resumed_from is not None:
         print(f"resumed from step {result.resumed_from}")

@@ -5,6 +5,7 @@ from rayzero.engine import Engine, NonFiniteGradientError, initialize
 from rayzero.train.cluster_config import ClusterConfig
 from rayzero.train.failures import NonFiniteLossError
 from rayzero.train.fit import Result, fit
+from rayzero.train.stop import RunStopped
 from rayzero.zero.init import zero_init
 
 
@@ -25,6 +26,7 @@ __all__ = [
     "NonFiniteLossError",
     "NotSupportedYetError",
     "Result",
+    "RunStopped",
     "fit",
     "initialize",
     "tune",

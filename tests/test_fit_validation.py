@@ -63,6 +63,7 @@ BAD_CLUSTER = [
     ("resume_from", -1, r"resume_from=-1 \(int\): must be None"),
     ("resume_from", "/", "resume_from='/'"),
     ("resume_from", 2.0, r"resume_from=2.0 \(float\)"),
+    ("save_on_stop", "no", r"save_on_stop='no' \(str\): must be True"),
 ]
 
 

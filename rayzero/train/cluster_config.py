@@ -36,7 +36,8 @@ class ClusterConfig:
     ``"checkpoint_step00000040"`` or its step, instead of the newest one that verifies; newer ones are set aside.
     ``progress``: print the start-up phases and progress lines.  ``verbose``: leave Ray's own console output as
     Ray prints it (off: Ray Train's INFO lines, Ray's core log lines and the ranks' repeated lines are kept off
-    the console; they stay in Ray's log files).
+    the console; they stay in Ray's log files).  ``save_on_stop``: when SIGINT/SIGTERM on the driver stops the
+    run, the workers save a checkpoint at the step they stop at (``rayzero.train.stop``).
     """
 
     workers: int | tuple[int, int] = 1
@@ -54,6 +55,7 @@ class ClusterConfig:
     progress: bool = True  # the start-up phase lines and one progress line per update on the driver
     verbose: bool = False  # also Ray's own console output (Ray Train's INFO logs, Ray core lines, repeats)
     resume_from: str | int | None = None  # a checkpoint of this run (tag or step) to resume from, by hand
+    save_on_stop: bool = True  # SIGINT/SIGTERM on the driver: save a checkpoint at the step the workers stop at
 
     @staticmethod
     def from_any(obj: "ClusterConfig | Mapping[str, Any] | int | None") -> "ClusterConfig":
@@ -164,6 +166,8 @@ FIELD_CHECKS: dict[str, tuple[Any, str]] = {
     "resume_from": (lambda v: v is None or (isinstance(v, str) and v.strip("/") != "") or (_is_int(v) and v >= 0),
                     "None (the newest checkpoint that verifies), a checkpoint tag of the run "
                     "('checkpoint_step00000040') or its step (an int >= 0)"),
+    "save_on_stop": (lambda v: isinstance(v, bool),
+                     "True (save a checkpoint when SIGINT/SIGTERM stops the run) or False"),
 }
 
 

@@ -23,6 +23,7 @@ from rayzero.train.planning import MicroBatchSizes, StepPlan, plan_range, skippe
 from rayzero.train.resume import prepare_resume
 from rayzero.train.state_memory import _check_fits, _model_for_count
 from rayzero.train.validation import check_fit_args, check_model
+from rayzero.train.stop import RunStopped, StopSignals, clear_stop, resume_text, stopped_message
 from rayzero.train.worker import WorkerSpec, train_loop_per_worker
 
 logger = logging.getLogger("rayzero")
@@ -432,7 +433,8 @@ def fit(
         ep=ep,
         world_sizes=sorted(plans),
         compile_cache=_in_run(run_dir, "compile_cache"),
-        extra={"verbose": cluster.verbose, "accelerator": os.environ.get(ACCELERATOR_ENV_VAR, "").strip() or None},
+        extra={"verbose": cluster.verbose, "accelerator": os.environ.get(ACCELERATOR_ENV_VAR, "").strip() or None,
+               "save_on_stop": cluster.save_on_stop},
     )
     for what in ("data", "loss_fn", "train_step", "collate"):
         try:
@@ -484,20 +486,24 @@ def fit(
         if progress is not None:
             progress.start()
         set_worker_output(quiet=not cluster.verbose)
-        try:
-            result = trainer.fit()
-        except Exception as failure:  # Ray's wrapper around a worker's error
-            _raise_fatal(failure)  # an error no retry gets past: raised itself, once
-            ours = _user_error(failure)  # a worker's CheckpointError (a save that failed) as rayzero raised it
-            if ours is failure:
-                raise
-            raise ours from None
+        clear_stop(name)  # a request left by an earlier stop of this run on this cluster
+        with StopSignals(name, _shout, cluster.save_on_stop) as signals:
+            _own_stop_signals(trainer, signals)
+            try:
+                result = trainer.fit()
+            except Exception as failure:  # Ray's wrapper around a worker's error
+                _raise_fatal(failure)  # an error no retry gets past: raised itself, once
+                ours = _user_error(failure)  # a worker's CheckpointError (a save that failed) as rayzero raised it
+                if ours is failure:
+                    raise
+                raise ours from None
     finally:
         if progress is not None and progress.is_alive():
             progress.stop.set()
             progress.join(timeout=10)
         try:
             clear_phases(name)
+            clear_stop(name)
         except Exception:
             pass
         if swap_root:
@@ -511,6 +517,8 @@ def fit(
     if result.error is not None:
         raise _user_error(result.error)
     history = read_metrics(run_dir)
+    if signals.signal_name is not None:
+        _check_stopped(signals.signal_name, cluster, name, run_dir, max_steps, history, result.checkpoint)
     by_step: dict[int, dict] = {}
     for r in history:  # a restart re-does steps after its checkpoint: the last record of a step wins
         by_step[r["step"]] = r
@@ -559,6 +567,41 @@ def _user_error(error: BaseException) -> BaseException:
             ours.__cause__ = error  # Ray's error, with every worker's traceback
             return ours
     return error
+
+
+def _shout(text: str) -> None:
+    """A line the user must see (a stop), whatever ``progress`` says; never raises (it runs in signal handlers)."""
+    logger.info("%s", text)
+    try:
+        print(f"[rayzero] {text}", file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a reentrant write from a signal handler
+        pass
+
+
+def _own_stop_signals(trainer, signals: StopSignals) -> None:
+    """Ray Train 2.60's ``trainer.fit()`` installs its own SIGINT handler (it aborts the run, saving nothing) just
+    before it waits; rayzero keeps its own (``StopSignals``) and takes only the controller handle, which a second
+    signal aborts."""
+    if hasattr(trainer, "_register_sigint_handler"):
+        trainer._register_sigint_handler = lambda controller: setattr(signals, "controller", controller)
+
+
+def _check_stopped(why: str, cluster: ClusterConfig, name: str, run_dir: str, max_steps: int, history: list[dict],
+                   checkpoint) -> None:
+    """After a run asked to stop returned: raise ``RunStopped`` saying what was saved and how to resume, unless
+    the run had reached ``max_steps`` (it finished: a note, and ``fit`` returns)."""
+    from rayzero.train.worker import TAG_FORMAT
+
+    step = history[-1]["step"] if history else None
+    if step is not None and step >= max_steps:
+        _shout(f"{why} came as run {name} finished its last step: nothing to stop")
+        return
+    location = _checkpoint_location(cluster.storage, run_dir, checkpoint)
+    saved = bool(location) and step is not None and os.path.basename(location.rstrip("/")) == TAG_FORMAT.format(step)
+    how = resume_text(name, cluster.name is not None, cluster.storage)
+    message = stopped_message(name, why, step, location, saved, how)
+    _shout(message)
+    raise RunStopped(message, name, step, location, saved)
 
 
 def _start_swap(counted, cfg: Config, cluster: ClusterConfig, worlds: list[int], name: str, root: str,

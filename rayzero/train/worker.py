@@ -29,6 +29,7 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.train.data import GlobalOrder, micro_batches
 from rayzero.train.metrics import MetricsWriter
 from rayzero.train.planning import plan_step
+from rayzero.train.stop import agree
 
 SAMPLES_FILE = "samples.jsonl"
 TAG_FORMAT = "checkpoint_step{:08d}"  # the tag of the checkpoint saved after that many steps
@@ -282,6 +283,8 @@ def _train(spec: WorkerSpec) -> dict:
     last_time = time.perf_counter()
     loss_value = float("nan")
     skipped = engine.skipped_steps  # steps the engine skipped (fp16 overflow, nonfinite_grad "skip")
+    watcher = _watch_for_stop(ctx) if rank == 0 else None
+    stopped_at = None
     for step in range(start_step, spec.max_steps):
         ids_seen: list = []
         if order is not None:
@@ -290,9 +293,10 @@ def _train(spec: WorkerSpec) -> dict:
         else:
             batches = (next(stream) for _ in range(plan.accumulation))
         step_loss = run_step(engine, spec, batches, plan.accumulation)
-        if world > 1:  # every data shard appears tp times in the world, so the world mean is the shards' mean
-            step_loss = engine.comm.sum_scalar(step_loss)
-        loss_value = step_loss.item() / world  # the step's one read of the loss
+        # the step's one read of the loss, summed over the world (every data shard appears tp times in it, so
+        # the world mean is the shards' mean) in the all-reduce that also agrees on a stop (rayzero/train/stop.py)
+        total, stop = agree(engine.comm, step_loss, watcher is not None and watcher.requested.is_set(), world)
+        loss_value = total / world
         if not math.isfinite(loss_value) and engine.skipped_steps == skipped:
             raise _non_finite_loss(loss_value, step + 1, spec)
         skipped = engine.skipped_steps
@@ -317,19 +321,29 @@ def _train(spec: WorkerSpec) -> dict:
             "time": time.time(),
         }
         last_time = now
+        done = step + 1 == spec.max_steps
+        stop = stop and not done  # the last step ends the run anyway
+        if stop:
+            record["stopped"] = True
         if metrics is not None:
             metrics.write(record)
-        done = step + 1 == spec.max_steps
-        if (spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0) or done:
+        if ((spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0) or done
+                or (stop and spec.extra.get("save_on_stop", True))):
             tag = engine.save_checkpoint(storage, tag=TAG_FORMAT.format(step + 1))
             ray.train.report(
                 record,
                 checkpoint=Checkpoint(path=storage.join(tag), filesystem=storage.fs),
                 checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
             )
+        if stop:  # every rank agreed: the driver asked the run to stop (SIGINT/SIGTERM)
+            stopped_at = step + 1
+            break
+    if watcher is not None:
+        watcher.close()
     if metrics is not None:
         metrics.close()
-    result = {"final_loss": loss_value, "world_size": world, "start_step": start_step, "resumed_from": resumed_from}
+    result = {"final_loss": loss_value, "world_size": world, "start_step": start_step, "resumed_from": resumed_from,
+              "stopped_at": stopped_at}
     engine.destroy()
     return result
 
@@ -359,6 +373,15 @@ def _non_finite_loss(value: float, step: int, spec: WorkerSpec) -> Exception:
         'lower the learning rate, or set "nonfinite_grad": "skip" in the config to skip steps whose gradients '
         "are not finite"
     )
+
+
+def _watch_for_stop(ctx):
+    """Rank 0's reader of the driver's stop request (``rayzero.train.stop``), started."""
+    from rayzero.train.stop import StopWatcher
+
+    watcher = StopWatcher(ctx.get_experiment_name())
+    watcher.start()
+    return watcher
 
 
 def _bind_device() -> None:
