@@ -62,7 +62,7 @@ def uninterrupted(tmp_path_factory):
     return losses, torch.load(tmp / "straight.pt")
 
 
-@pytest.mark.parametrize("seed", [0, 5, 7])  # rank 1 at step 7, rank 1 at step 5, rank 0 at step 3
+@pytest.mark.parametrize("seed", [5, 7])  # rank 1 at step 5, rank 0 at step 3 (a kill of either rank, mid-run)
 def test_sigkill_at_a_random_step_ends_bitwise_like_an_uninterrupted_run(tmp_path, uninterrupted, seed):
     straight_losses, weights = uninterrupted
     rng = random.Random(seed)
