@@ -41,7 +41,14 @@ from rayzero.checkpoint.optimizer_load import (
 from rayzero.checkpoint.rng import rederive_rng, rng_state, set_rng_state
 from rayzero.checkpoint.slices import prod, slice_filler
 from rayzero.parallel.slicing import full_shape_of, layout_dicts, slice_index, splits_of
-from rayzero.checkpoint.writer import BackgroundSave, commit, prepare, staging_dir, wait_discards, write_rank
+from rayzero.checkpoint.writer import (
+    BackgroundSave,
+    commit,
+    prepare,
+    staging_dir,
+    wait_discards,
+    write_rank,
+)
 
 if TYPE_CHECKING:
     from rayzero.engine import Engine
@@ -376,6 +383,7 @@ class CheckpointIO:
             device_copies = copy_from_device(engine.accelerator, self._copy_stream, from_device)
         extra = {"rng": rng_state(engine.accelerator)}
         world, rank = engine.comm.world, engine.rank
+        meta = {"rank": rank, "world_size": world, "tag": tag, "global_steps": engine.global_steps}
         # The manifest's contents are taken now, so a save that overlaps training records this step.
         manifest_now = build_manifest(engine, tag, client_state) if rank == 0 else {}
 
@@ -400,7 +408,7 @@ class CheckpointIO:
             finally:
                 later.clear()
                 copied.set()
-            write_rank(storage, staging_dir(storage, tag), rank, fragments, extra, open_group)
+            write_rank(storage, staging_dir(storage, tag), rank, fragments, extra, open_group, meta)
             fragments.clear()
             if rank == 0:
                 commit(storage, tag, world, with_ranks)
@@ -461,6 +469,9 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
     storage = Storage.resolve(load_dir)
     tag = resolve_tag(storage, tag)
     manifest = read_manifest(storage, tag)
+    # the files' footers against the manifest (files of another save, ranges, coverage), before the model is
+    # compared with it or anything changes
+    index = FragmentIndex(storage, tag, manifest)
     loadable, problems = _check_model(engine, manifest, strict)
     saved_params = {p["name"]: p for p in manifest["params"]}
     for p in manifest["params"]:
@@ -477,7 +488,6 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
     saved_group_of = {n: g for g in opt["param_groups"] for n in g["params"]}
     if same_optimizer:  # before anything changes: a refused load leaves the engine as it was
         check_new_params_can_start_fresh(engine, loadable, saved_params, saved_group_of, state_names)
-    index = FragmentIndex(storage, tag, manifest)
 
     torch_state: dict[int, dict] = {}
     swap = getattr(engine, "swap", None)  # NVMe offload: one sub-group in memory at a time

@@ -36,7 +36,15 @@ import time
 from typing import Callable, ContextManager
 
 from rayzero.checkpoint import direct_io
-from rayzero.checkpoint.format import LATEST, MANIFEST, CheckpointError, Fragment, rank_file_name, write_fragments
+from rayzero.checkpoint.format import (
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    Fragment,
+    manifest_bytes,
+    rank_file_name,
+    write_fragments,
+)
 from rayzero.checkpoint.storage import HashingWriter, Storage
 
 STAGING_PREFIX = ".tmp-"
@@ -126,9 +134,10 @@ def prepare(storage: Storage, tag: str) -> None:
 
 
 def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment], extra: dict,
-               open_group: Callable[[int], ContextManager] | None = None) -> None:
+               open_group: Callable[[int], ContextManager] | None = None, meta: dict | None = None) -> None:
     """Write this rank's fragment file and its done marker (or an error marker, then re-raise).
-    ``open_group`` makes a deferred fragment's group resident (``format.write_fragments``)."""
+    ``open_group`` makes a deferred fragment's group resident (``format.write_fragments``); ``meta`` (rank,
+    world size, tag, step) is recorded in the file's schema."""
     final = f"{stage}/{rank_file_name(rank)}" if not storage.local else os.path.join(stage, rank_file_name(rank))
     try:
         tmp = final + ".partial"
@@ -143,7 +152,7 @@ def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment
 
         try:
             with pa.PythonFile(sink, mode="w") as out:
-                index = write_fragments(out, fragments, open_group)
+                index = write_fragments(out, fragments, open_group, meta, sink.expect_data)
             sink.close()
         except BaseException:
             sink.abandon()
@@ -151,7 +160,12 @@ def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment
         if storage.local:
             os.replace(tmp, final)
         marker = {"file": rank_file_name(rank), "size": sink.size, "xxh3": sink.hasher.hexdigest(),
-                  "fragments": len(index), **extra}
+                  "fragments": len(index)}
+        # the hash of what a load reads besides the fragments' data (each fragment's own hash covers that),
+        # taken as the file was written; recorded only where every fragment's data was told apart
+        if sink.data_skipped == sum(1 for e in index if e["end"] > e["start"]):
+            marker["frame_xxh3"] = sink.frame.hexdigest()
+        marker.update(extra)
         # The marker only tells rank 0 this file is complete; the manifest (fsynced) is what commits.
         storage.write_bytes_atomic(f"{final[: -len('.arrow')]}.done.json", json.dumps(marker).encode(), durable=False)
     except BaseException as e:
@@ -199,7 +213,7 @@ def commit(
         base = f"{stage}{sep}{rank_file_name(r)[: -len('.arrow')]}"
         storage.fs.delete_file(base + ".done.json")
     crash_point("before_manifest", tag)
-    storage.write_bytes_atomic(f"{stage}{sep}{MANIFEST}", json.dumps(manifest, indent=1).encode())
+    storage.write_bytes_atomic(f"{stage}{sep}{MANIFEST}", manifest_bytes(manifest))
     if not storage.local:
         storage.fs.delete_file(f"{stage}/{INCOMPLETE}")
     crash_point("manifest_written", tag)
