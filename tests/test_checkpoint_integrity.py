@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import rayzero
+from distributed import run_distributed
 from rayzero.checkpoint.format import MANIFEST_HASH_KEY, CheckpointError, manifest_bytes
 from rayzero.checkpoint.tools import export, inspect, verify
 
@@ -209,4 +210,36 @@ def test_manifest_without_its_hash_loads_with_a_warning_and_fails_verify(saved, 
     assert loader.global_steps == 2
     assert any(f"has no {MANIFEST_HASH_KEY}" in r.getMessage() for r in caplog.records)
     assert any(p.startswith(f"manifest.json: no {MANIFEST_HASH_KEY}") for p in verify(save_dir))
+
+
+# ---- storage the ranks do not share ---------------------------------------------------------------------
+def _save_to_own_dir(rank: int, world: int, root: str) -> dict:
+    engine = rayzero.initialize(make_model(), CONFIG)
+    _train(engine, 1, seed=10 + rank)
+    own = os.path.join(root, f"rank{rank}")  # as a local path on separate nodes, or per-rank dirs
+    t0 = time.perf_counter()
+    try:
+        engine.save_checkpoint(own)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    took = time.perf_counter() - t0
+    leftovers = sorted(os.listdir(own)) if os.path.isdir(own) else None
+    engine.destroy()
+    return {"error": error, "took": took, "leftovers": leftovers}
+
+
+def test_ranks_that_do_not_share_storage_fail_the_first_save_fast_naming_the_paths(tmp_path):
+    results = run_distributed(_save_to_own_dir, 2, str(tmp_path))
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1 and None not in errors, results  # every rank raises, the same message
+    msg = errors.pop()
+    assert msg.startswith("the checkpoint storage is not shared by all ranks: "), msg
+    assert f"rank 0 (host {os.uname().nodename}) saves to {str(tmp_path / 'rank0')!r}" in msg, msg
+    assert f"rank 1 (host {os.uname().nodename}) saves to {str(tmp_path / 'rank1')!r} and could not write there " \
+           "(FileNotFoundError: the staging directory" in msg, msg
+    assert "does not see the files of rank 1" in msg and "does not see the files of rank 0" in msg, msg
+    assert "a shared filesystem mounted at the same path on every node, or an object store URI" in msg
+    assert max(r["took"] for r in results) < 10.0, [r["took"] for r in results]  # the commit would wait 1,800 s
+    assert results[0]["leftovers"] == [] and results[1]["leftovers"] is None  # rank 0's staging dir is gone
 

@@ -43,6 +43,7 @@ from rayzero.checkpoint.slices import prod, slice_filler
 from rayzero.parallel.slicing import full_shape_of, layout_dicts, slice_index, splits_of
 from rayzero.checkpoint.writer import (
     BackgroundSave,
+    check_shared,
     commit,
     prepare,
     staging_dir,
@@ -320,6 +321,7 @@ class CheckpointIO:
         self._copied: threading.Event | None = None  # set once an async save's deferred copies are made
         self.staging: dict = {}  # async saves' CPU copies, reused across saves; freed by release()
         self._copy_stream = None  # async saves copy device tensors on it (made on first use)
+        self._shared: set = set()  # the storages every rank was seen to share (checked at the first save)
 
     def wait(self) -> None:
         """Settle an in-flight save on every rank; a failure on any rank raises on all of them."""
@@ -348,6 +350,13 @@ class CheckpointIO:
             self.pending, self._copied = None, None
         wait_discards()
 
+    def _all_gather(self, obj: Any) -> list:
+        import torch.distributed as dist
+
+        out: list = [None] * self.engine.comm.world
+        dist.all_gather_object(out, obj, group=self.engine.comm.group)
+        return out
+
     def save(self, save_dir: str, tag: str | None, client_state: Any, async_save: bool) -> str:
         engine = self.engine
         self.wait()
@@ -370,6 +379,10 @@ class CheckpointIO:
                 f"cannot create checkpoint directory under {save_dir!r}: {error or 'failed on rank 0'}; "
                 "check the path and its permissions"
             )
+        world = engine.comm.world
+        if world > 1 and (storage.local, storage.root) not in self._shared:
+            check_shared(storage, tag, engine.rank, world, self._all_gather)
+            self._shared.add((storage.local, storage.root))
         # an async save copies the state on its own thread, unless NVMe offload may move it before the step
         later: list = []
         defer = async_save and getattr(engine, "swap", None) is None and engine.partitions.param_swap is None

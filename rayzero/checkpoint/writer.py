@@ -133,6 +133,59 @@ def prepare(storage: Storage, tag: str) -> None:
         storage.write_bytes_atomic(f"{stage}/{INCOMPLETE}", b"")
 
 
+PROBE_PREFIX = ".probe-"  # a rank's probe file in the staging directory, while the first save checks the storage
+
+
+def _probe(storage: Storage, stage: str, rank: int) -> str:
+    name = f"{PROBE_PREFIX}{rank_file_name(rank)[: -len('.arrow')]}"
+    return f"{stage}/{name}" if not storage.local else os.path.join(stage, name)
+
+
+def check_shared(storage: Storage, tag: str, rank: int, world: int, all_gather: Callable[[object], list]) -> None:
+    """Every rank, at its first save to ``storage``, after rank 0 made the staging directory of ``tag``: each
+    writes a small probe file there, and each checks that it sees every rank's probe.  Storage that each rank
+    has its own of (a local path on separate nodes, per-rank directories) fails here within seconds, on every
+    rank with the same CheckpointError naming each rank's path and host, instead of rank 0 waiting for rank
+    files it can never see.  ``all_gather(obj)`` returns every rank's ``obj`` (a collective, so a barrier)."""
+    import socket
+
+    host, stage = socket.gethostname(), staging_dir(storage, tag)
+    wrote = None
+    try:
+        if storage.local and not os.path.isdir(stage):  # never made here: rank 0 made it on its own storage
+            raise FileNotFoundError(f"the staging directory {stage} does not exist for this rank")
+        storage.write_bytes_atomic(_probe(storage, stage, rank), json.dumps({"rank": rank, "host": host}).encode(),
+                                   durable=False)
+    except OSError as e:
+        wrote = f"{type(e).__name__}: {e}"
+    all_gather(None)  # every probe is written before any rank looks
+    missing = [r for r in range(world) if not (r == rank and wrote) and not storage.exists(_probe(storage, stage, r))]
+    views = all_gather({"rank": rank, "host": host, "path": storage.root, "missing": missing, "error": wrote})
+    if wrote is None:  # after every rank looked, before this rank's file (so before the commit)
+        try:
+            storage.fs.delete_file(_probe(storage, stage, rank))
+        except OSError:
+            pass
+    if not any(v["missing"] or v["error"] for v in views):
+        return
+    if rank == 0:
+        abort(storage, tag)
+    lines = []
+    for v in views:
+        what = f"rank {v['rank']} (host {v['host']}) saves to {v['path']!r}"
+        if v["error"]:
+            what += f" and could not write there ({v['error']})"
+        if v["missing"]:
+            what += f" and does not see the files of rank{'s' if len(v['missing']) > 1 else ''} " \
+                    f"{', '.join(map(str, v['missing']))}"
+        lines.append(what)
+    raise CheckpointError(
+        "the checkpoint storage is not shared by all ranks: " + "; ".join(lines) + ". Every rank writes its own "
+        "part of a checkpoint into the same directory, so checkpoints need storage every rank shares: a shared "
+        "filesystem mounted at the same path on every node, or an object store URI (s3://, gs://, ...)"
+    )
+
+
 def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment], extra: dict,
                open_group: Callable[[int], ContextManager] | None = None, meta: dict | None = None) -> None:
     """Write this rank's fragment file and its done marker (or an error marker, then re-raise).
