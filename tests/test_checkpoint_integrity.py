@@ -16,6 +16,7 @@ import torch
 import rayzero
 from distributed import run_distributed
 from rayzero.checkpoint.format import MANIFEST_HASH_KEY, CheckpointError, manifest_bytes
+from rayzero.checkpoint.storage import Storage
 from rayzero.checkpoint.tools import export, inspect, verify
 
 
@@ -243,3 +244,81 @@ def test_ranks_that_do_not_share_storage_fail_the_first_save_fast_naming_the_pat
     assert max(r["took"] for r in results) < 10.0, [r["took"] for r in results]  # the commit would wait 1,800 s
     assert results[0]["leftovers"] == [] and results[1]["leftovers"] is None  # rank 0's staging dir is gone
 
+
+# ---- keep_checkpoints: folders no record holds -----------------------------------------------------------
+def _tag(step: int) -> str:
+    return f"checkpoint_step{step:08d}"
+
+
+def _ray_record(run: str, recorded: list[int]) -> None:
+    """Ray Train's checkpoint_manager_snapshot.json holding ``recorded`` (the last the latest), written by Ray's
+    own state model."""
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import (
+        _CheckpointManagerState,
+        _TrainingResultState,
+    )
+
+    results = [_TrainingResultState(checkpoint_dir_name=_tag(s), metrics={"step": s}) for s in recorded]
+    state = _CheckpointManagerState(
+        checkpoint_results=results, checkpoint_report_indices=list(range(len(results))),
+        latest_checkpoint_result=results[-1], pending_training_results=[], pending_validation_specs=[],
+        current_report_index=len(results), validated_checkpoint_dir_names=[],
+        timed_out_validation_checkpoint_dir_names=[], failed_validation_checkpoint_dir_names=[])
+    with open(os.path.join(run, "checkpoint_manager_snapshot.json"), "w") as f:
+        f.write(state.json())
+
+
+@pytest.fixture(scope="module")
+def run_checkpoints(tmp_path_factory):
+    """A run folder with committed checkpoints at steps 2, 4, 6, 8 and 10, as fit's workers save them."""
+    run = str(tmp_path_factory.mktemp("retention") / "run")
+    engine = rayzero.initialize(make_model(), CONFIG)
+    for step in (2, 4, 6, 8, 10):
+        _train(engine, 2, seed=step)
+        engine.save_checkpoint(run, tag=_tag(step))
+    engine.destroy()
+    return run
+
+
+def _left(run: str) -> list[str]:
+    return sorted(n for n in os.listdir(run) if n.startswith(("checkpoint_step", ".tmp-", ".old-")))
+
+
+def test_folders_no_record_holds_are_removed_at_resume(run_checkpoints, tmp_path):
+    """keep_checkpoints=2: Ray's record holds steps 6 and 8.  Steps 2 and 4 are in no record (a process died
+    between Ray's record and its delete, or after a commit that was never reported), a dead save left its
+    staging folder, and step 10 was committed but not yet recorded (the worker resumes from it).  The resume
+    leaves exactly Ray's two and the one it resumes from; Ray drops step 6 itself when step 10's report
+    lands."""
+    from rayzero.train.worker import _prune_unrecorded
+
+    run = _copy(run_checkpoints, tmp_path)
+    os.remove(os.path.join(run, "latest"))
+    os.makedirs(os.path.join(run, ".tmp-" + _tag(12)))  # a save that died before its manifest
+    open(os.path.join(run, ".tmp-" + _tag(12), "rank_00000.arrow.partial"), "wb").write(b"\0" * 100)
+    _ray_record(run, [6, 8])
+    _prune_unrecorded(Storage.resolve(run), _tag(10))
+    assert _left(run) == [_tag(6), _tag(8), _tag(10)]
+    # the next start resumes from Ray's latest (step 10 now recorded, step 6 deleted by Ray): nothing else goes
+    shutil.rmtree(os.path.join(run, _tag(6)))
+    _ray_record(run, [8, 10])
+    _prune_unrecorded(Storage.resolve(run), _tag(10))
+    assert _left(run) == [_tag(8), _tag(10)]
+
+
+def test_resumed_newer_and_unreadable_records_are_never_removed(run_checkpoints, tmp_path):
+    from rayzero.train.worker import _prune_unrecorded
+
+    run = _copy(run_checkpoints, tmp_path)
+    # resuming from step 4 (Ray's record holds 2 and 4): the newer ones may not be recorded yet, and stay
+    _ray_record(run, [2, 4])
+    _prune_unrecorded(Storage.resolve(run), _tag(4))
+    assert _left(run) == [_tag(s) for s in (2, 4, 6, 8, 10)]
+    # the one being resumed from stays although no record holds it and a newer one is recorded
+    _ray_record(run, [8, 10])
+    _prune_unrecorded(Storage.resolve(run), _tag(4))
+    assert _left(run) == [_tag(4), _tag(8), _tag(10)]
+    # an unreadable record (a full disk left it empty): nothing is deleted
+    open(os.path.join(run, "checkpoint_manager_snapshot.json"), "w").close()
+    _prune_unrecorded(Storage.resolve(run), _tag(10))
+    assert _left(run) == [_tag(4), _tag(8), _tag(10)]

@@ -101,6 +101,24 @@ def recover(storage: Storage, tag: str | None = None) -> None:
                     pass
 
 
+def clean_leftovers(storage: Storage) -> list[str]:
+    """Remove what crashed saves left in ``storage`` (incomplete staging directories, replaced copies whose
+    tag is in place, object-store directories still marked incomplete) after putting back any tag a crashed
+    re-save left missing; returns the names removed.  No save may be in flight in ``storage``."""
+    recover(storage)
+    removed = []
+    for name in storage.listdir(storage.root):
+        if name.startswith((STAGING_PREFIX, OLD_PREFIX)):
+            if not _complete(storage, name) or _complete(storage, _tag_of(name)):
+                storage.delete_dir(storage.join(name))
+                removed.append(name)
+        elif not storage.local and storage.exists(storage.join(name, INCOMPLETE)):
+            if not storage.exists(storage.join(name, MANIFEST)):
+                storage.delete_dir(storage.join(name))
+                removed.append(name)
+    return removed
+
+
 def prepare(storage: Storage, tag: str) -> None:
     """Rank 0, before the barrier: a clean staging directory, and no leftovers of crashed saves.
 
@@ -108,14 +126,7 @@ def prepare(storage: Storage, tag: str) -> None:
     only complete copy of a tag (``recover()`` puts such a copy back in place first)."""
     wait_discards()
     storage.makedirs(storage.root)
-    recover(storage)
-    for name in storage.listdir(storage.root):
-        if name.startswith((STAGING_PREFIX, OLD_PREFIX)):
-            if not _complete(storage, name) or _complete(storage, _tag_of(name)):
-                storage.delete_dir(storage.join(name))
-        elif not storage.local and storage.exists(storage.join(name, INCOMPLETE)):
-            if not storage.exists(storage.join(name, MANIFEST)):
-                storage.delete_dir(storage.join(name))
+    clean_leftovers(storage)
     stage = staging_dir(storage, tag)
     if not storage.local and storage.exists(storage.join(tag, MANIFEST)):
         # An object store cannot swap a directory atomically: replacing the tag would delete the
