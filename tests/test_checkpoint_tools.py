@@ -14,7 +14,7 @@ import torch
 import rayzero
 from ckpt_cases import TiedLM
 from distributed import run_distributed
-from rayzero.checkpoint.format import CheckpointError, FragmentFile
+from rayzero.checkpoint.format import CheckpointError, FragmentFile, manifest_bytes
 from rayzero.checkpoint.tools import export, format_inspect, inspect, verify
 
 VOCAB, DIM = 11, 6
@@ -220,8 +220,8 @@ def test_verify_missing_truncated_and_incomplete(ckpt_w2, tmp_path):
     with open(manifest_path) as f:
         manifest = json.load(f)
     manifest["files"] = manifest["files"][:1]
-    with open(manifest_path, "w") as f:
-        json.dump(manifest, f)
+    with open(manifest_path, "wb") as f:  # sealed with its own hash again, as a save would have written it
+        f.write(manifest_bytes(manifest))
     problems = verify(save_dir)
     assert "the manifest lists 1 fragment files for world size 2" in problems
     assert any(p.startswith("wte.weight/fp32: fragments cover [0, ") for p in problems), problems

@@ -42,8 +42,18 @@ from rayzero.checkpoint.optimizer_load import (
 from rayzero.checkpoint.rng import rederive_rng, rng_state, set_rng_state
 from rayzero.checkpoint.slices import prod, slice_filler
 from rayzero.parallel.slicing import full_shape_of, layout_dicts, slice_index, splits_of
-from rayzero.checkpoint.writer import (BackgroundSave, abort, check_space, commit, fragment_bytes, prepare, staging_dir,
-                                      wait_discards, write_rank)
+from rayzero.checkpoint.writer import (
+    BackgroundSave,
+    abort,
+    check_shared,
+    check_space,
+    commit,
+    fragment_bytes,
+    prepare,
+    staging_dir,
+    wait_discards,
+    write_rank,
+)
 
 if TYPE_CHECKING:
     from rayzero.engine import Engine
@@ -324,6 +334,7 @@ class CheckpointIO:
         self.staging: dict = {}  # async saves' CPU copies, reused across saves; freed by release()
         self._copy_stream = None  # async saves copy device tensors on it (made on first use)
         self._target: tuple | None = None  # (storage, tag) of the async save in flight
+        self._shared: set = set()  # the storages every rank was seen to share (checked at the first save)
 
     def wait(self) -> None:
         """Settle an in-flight save on every rank; a failure on any rank raises on all of them."""
@@ -355,6 +366,13 @@ class CheckpointIO:
             self.pending, self._copied, self._target = None, None, None
         wait_discards()
 
+    def _all_gather(self, obj: Any) -> list:
+        import torch.distributed as dist
+
+        out: list = [None] * self.engine.comm.world
+        dist.all_gather_object(out, obj, group=self.engine.comm.group)
+        return out
+
     def save(self, save_dir: str, tag: str | None, client_state: Any, async_save: bool) -> str:
         engine = self.engine
         self.wait()
@@ -377,6 +395,10 @@ class CheckpointIO:
                 f"cannot create checkpoint directory under {save_dir!r}: {error or 'failed on rank 0'}; "
                 "check the path and its permissions"
             )
+        world = engine.comm.world
+        if world > 1 and (storage.local, storage.root) not in self._shared:
+            check_shared(storage, tag, engine.rank, world, self._all_gather)
+            self._shared.add((storage.local, storage.root))
         # an async save copies the state on its own thread, unless NVMe offload may move it before the step
         later: list = []
         defer = async_save and getattr(engine, "swap", None) is None and engine.partitions.param_swap is None
@@ -398,6 +420,7 @@ class CheckpointIO:
             device_copies = copy_from_device(engine.accelerator, self._copy_stream, from_device)
         extra = {"rng": rng_state(engine.accelerator)}
         world, rank = engine.comm.world, engine.rank
+        meta = {"rank": rank, "world_size": world, "tag": tag, "global_steps": engine.global_steps}
         # The manifest's contents are taken now, so a save that overlaps training records this step.
         manifest_now = build_manifest(engine, tag, client_state) if rank == 0 else {}
 
@@ -422,7 +445,7 @@ class CheckpointIO:
             finally:
                 later.clear()
                 copied.set()
-            write_rank(storage, staging_dir(storage, tag), rank, fragments, extra, open_group)
+            write_rank(storage, staging_dir(storage, tag), rank, fragments, extra, open_group, meta)
             fragments.clear()
 
         def work() -> None:
@@ -497,6 +520,9 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
     storage = Storage.resolve(load_dir)
     tag = resolve_tag(storage, tag)
     manifest = read_manifest(storage, tag)
+    # the files' footers against the manifest (files of another save, ranges, coverage), before the model is
+    # compared with it or anything changes
+    index = FragmentIndex(storage, tag, manifest)
     loadable, problems = _check_model(engine, manifest, strict)
     saved_params = {p["name"]: p for p in manifest["params"]}
     for p in manifest["params"]:
@@ -513,7 +539,6 @@ def load(engine: "Engine", load_dir: str, tag: str | None, strict: bool) -> tupl
     saved_group_of = {n: g for g in opt["param_groups"] for n in g["params"]}
     if same_optimizer:  # before anything changes: a refused load leaves the engine as it was
         check_new_params_can_start_fresh(engine, loadable, saved_params, saved_group_of, state_names)
-    index = FragmentIndex(storage, tag, manifest)
 
     torch_state: dict[int, dict] = {}
     swap = getattr(engine, "swap", None)  # NVMe offload: one sub-group in memory at a time

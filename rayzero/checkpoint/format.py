@@ -2,7 +2,8 @@
 
 A checkpoint is a directory::
 
-    manifest.json            written last: what was saved, by whom, and an XXH3 hash per fragment file
+    manifest.json            written last: what was saved, by whom, an XXH3 hash per fragment file (of the whole
+                             file, and of its bytes outside the fragments' data), and its own hash
     rank_00000.arrow         Arrow IPC file: the fragments rank 0 owned
     rank_00001.arrow         ...
 
@@ -34,6 +35,17 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 INDEX_KEY = b"rayzero.index"
+RANK_KEY = b"rayzero.rank"  # schema metadata: {"rank", "world_size", "tag", "global_steps"} of the save
+MANIFEST_HASH_KEY = "manifest_xxh3"  # the manifest's own hash: its last key (see manifest_bytes)
+_HASH_FIELD = b'"manifest_xxh3": "'
+_HASH_BLANK = b"0" * 16
+# every key a manifest of format version 1 may have; a manifest without its own hash (written before rayzero
+# hashed it) that has any other key is damaged (an edited key name) and is refused
+MANIFEST_KEYS = frozenset({
+    "format", "version", "tag", "created_unix", "world_size", "stage", "topology", "compute_dtype", "params",
+    "whole", "optimizer", "scheduler", "loss_scaler", "global_steps", "micro_steps", "skipped_steps",
+    "global_samples", "batch", "config", "client_state", "rng", "files", MANIFEST_HASH_KEY,
+})
 STATE_MASTER = "fp32"
 STATE_WHOLE = "whole"  # buffers and frozen parameters, saved whole by rank 0
 
@@ -124,25 +136,32 @@ def _tensors(fragments: list[Fragment], open_group: Callable[[int], ContextManag
             yield f, t
 
 
-def write_fragments(sink, fragments: list[Fragment], open_group: Callable[[int], ContextManager] | None = None
-                    ) -> list[dict]:
+def write_fragments(sink, fragments: list[Fragment], open_group: Callable[[int], ContextManager] | None = None,
+                    meta: dict | None = None, before_batch: Callable[[int], None] | None = None) -> list[dict]:
     """Write one record batch per fragment into ``sink`` (a pyarrow-compatible output); return the index.
 
     The index (with every fragment's hash) goes into the schema, which comes first in the file, so deferred
     fragments are brought in twice, one group at a time: once to hash them, once to write them (and their
-    hash is checked again then: nothing may change them in between)."""
+    hash is checked again then: nothing may change them in between).  ``meta`` (the saving rank, world size,
+    tag and step) goes into the schema too, so a load can tell a rank file of another save.
+    ``before_batch(nbytes)`` is told each fragment's data size before its batch is written."""
     index = []
     raws: list[np.ndarray | None] = []
     with contextlib.closing(_tensors(fragments, open_group)) as items:  # closed (group released) on errors too
         for f, t in items:
             _hash_into(index, raws, f, t)
-    schema = SCHEMA.with_metadata({INDEX_KEY: json.dumps(index, separators=(",", ":")).encode()})
+    metadata = {INDEX_KEY: json.dumps(index, separators=(",", ":")).encode()}
+    if meta is not None:
+        metadata[RANK_KEY] = json.dumps(meta, separators=(",", ":")).encode()
+    schema = SCHEMA.with_metadata(metadata)
     with pa.ipc.new_file(sink, schema) as writer, contextlib.closing(_tensors(fragments, open_group)) as items:
         for entry, raw, (f, t) in zip(index, raws, items):
             if raw is None:
                 raw = _raw_bytes(t)
                 if xxhash.xxh3_64_intdigest(raw) != entry["xxh3"]:
                     raise CheckpointError(f"{f.param}/{f.state} [{f.start}, {f.end}) changed while it was being saved")
+            if before_batch is not None:
+                before_batch(raw.nbytes)
             writer.write_batch(_batch(schema, entry, raw))
     return index
 
@@ -178,6 +197,15 @@ READ_PIECE = 2 << 20
 READ_AHEAD = 16 << 20
 
 
+_ENTRY_TYPES = {"param": str, "state": str, "start": int, "end": int, "dtype": str, "xxh3": int}
+
+
+def _entry_ok(e) -> bool:
+    return (isinstance(e, dict) and all(isinstance(e.get(k), t) and not isinstance(e.get(k), bool)
+                                        for k, t in _ENTRY_TYPES.items())
+            and isinstance(getattr(torch, e["dtype"], None), torch.dtype))
+
+
 class FragmentFile:
     """Random access to one rank's fragment file; reads a fragment's bytes only when asked.
 
@@ -193,11 +221,19 @@ class FragmentFile:
             self.reader = pa.ipc.open_file(source)
             meta = self.reader.schema.metadata or {}
             self.index = json.loads(meta[INDEX_KEY])
-        except (pa.ArrowInvalid, KeyError, ValueError, OSError) as e:
+            self.meta = json.loads(meta[RANK_KEY]) if RANK_KEY in meta else None
+        except (pa.ArrowException, KeyError, ValueError, TypeError, OSError) as e:
             raise ChecksumError(
                 f"fragment file {name} is corrupt or truncated ({e}); restore it from a copy or load an "
                 "earlier checkpoint"
             ) from None
+        if not self.reader.schema.remove_metadata().equals(SCHEMA):
+            raise ChecksumError(f"fragment file {name}: its schema is not a rayzero fragment file's "
+                                f"({self.reader.schema.remove_metadata()}); the file is corrupt: restore it or load "
+                                "an earlier checkpoint")
+        if not isinstance(self.index, list) or not all(_entry_ok(e) for e in self.index):
+            raise ChecksumError(f"fragment file {name}: its index (schema metadata {INDEX_KEY.decode()}) is malformed; "
+                                "the file is corrupt: restore it or load an earlier checkpoint")
         if len(self.index) != self.reader.num_record_batches:
             raise ChecksumError(f"fragment file {name}: index lists {len(self.index)} fragments, file holds "
                                 f"{self.reader.num_record_batches}; the file is corrupt")
@@ -208,7 +244,7 @@ class FragmentFile:
             column = self.reader.get_batch(i).column("data")
             _, offsets, data = column.buffers()
             lo, hi = np.frombuffer(offsets, dtype=np.int64)[:2]
-        except (pa.ArrowInvalid, OSError, ValueError) as e:
+        except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as e:
             raise ChecksumError(f"fragment file {self.name}: fragment {i} unreadable ({e})") from None
         return data, int(lo), int(hi)
 
@@ -278,6 +314,33 @@ class FragmentFile:
             raise self._corrupt(entry)
         return True
 
+    def frame_xxh3(self) -> str | None:
+        """The XXH3 hash (hex) of every byte of the file outside the fragments' data: the Arrow metadata,
+        the other columns, padding and footer, in file order.  With each fragment's own hash (checked as it
+        is read) it covers every byte of the file without reading the data twice.  None where the file is
+        not a local memory map."""
+        base = self._map_address()
+        if base is None:
+            return None
+        ranges = []
+        for i in range(len(self.index)):
+            data, lo, hi = self._data(i)
+            if hi > lo:  # an empty fragment has no bytes of its own (and its buffer may lie anywhere)
+                at = data.address - base + lo
+                ranges.append((at, at + hi - lo))
+        size = self.source.size()
+        whole = np.frombuffer(_mapped(self.source, size), dtype=np.uint8)
+        digest = xxhash.xxh3_64()
+        at = 0
+        for a, b in sorted(ranges):
+            if a < at or b > size:
+                raise ChecksumError(f"fragment file {self.name}: fragment data overlaps or lies past the end "
+                                    f"(bytes [{a}, {b}) of {size}); the file is corrupt")
+            digest.update(whole[at:a])
+            at = b
+        digest.update(whole[at:size])
+        return digest.hexdigest()
+
     def _map_address(self) -> int | None:
         """The address of the memory map's first byte (None: the source is not a memory map)."""
         source = self.source
@@ -291,7 +354,48 @@ class FragmentFile:
             source.seek(at)
 
 
+def _mapped(source, size: int):
+    """The whole memory-mapped file as one buffer (no copy)."""
+    at = source.tell()
+    try:
+        source.seek(0)
+        return source.read_buffer(size)
+    finally:
+        source.seek(at)
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    """The manifest as written: JSON (indent 1) whose last key, ``manifest_xxh3``, is the XXH3 hash (16 hex
+    digits) of these very bytes with that value's digits written as zeros.  So every byte of the file but
+    the 16 digits is hashed, and those digits are the hash: any edit of any byte is found."""
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_HASH_KEY}
+    data = json.dumps({**body, MANIFEST_HASH_KEY: _HASH_BLANK.decode()}, indent=1).encode()
+    at = data.rindex(_HASH_FIELD) + len(_HASH_FIELD)
+    return data[:at] + xxhash.xxh3_64_hexdigest(data).encode() + data[at + len(_HASH_BLANK):]
+
+
+def manifest_digest_problem(data: bytes) -> str | None:
+    """Why the manifest bytes ``data`` fail their own hash, or None when they match (or have no
+    ``manifest_xxh3`` field at all: a manifest of a rayzero that did not hash it, see parse_manifest).  Runs
+    before the JSON is parsed: a damaged manifest is refused without parsing it."""
+    at = data.rfind(_HASH_FIELD)
+    if at < 0:
+        return None
+    at += len(_HASH_FIELD)
+    stored = data[at : at + len(_HASH_BLANK)]
+    actual = xxhash.xxh3_64_hexdigest(data[:at] + _HASH_BLANK + data[at + len(_HASH_BLANK):])
+    if actual.encode() != stored:
+        return f"checksum mismatch (the file hashes to {actual}, it records {stored.decode('ascii', 'replace')})"
+    return None
+
+
 def parse_manifest(data: bytes, where: str) -> dict:
+    problem = manifest_digest_problem(data)
+    if problem is not None:
+        raise ChecksumError(
+            f"{where}: {problem}: the manifest was edited or damaged after the save, so the state it describes "
+            "cannot be trusted; restore it from a copy or load an earlier checkpoint"
+        )
     try:
         manifest = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -300,6 +404,21 @@ def parse_manifest(data: bytes, where: str) -> dict:
             "checkpoint is incomplete; load an earlier one (a checkpoint without a valid manifest was never "
             "committed)"
         ) from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{where} is not a JSON object: the manifest is corrupt; load an earlier checkpoint")
+    if MANIFEST_HASH_KEY in manifest:
+        # the bytes matched the hash they record: that field must be the top-level one the JSON holds
+        at, value = data.rfind(_HASH_FIELD) + len(_HASH_FIELD), manifest[MANIFEST_HASH_KEY]
+        if at < len(_HASH_FIELD) or not isinstance(value, str) or data[at : at + len(_HASH_BLANK)] != value.encode():
+            raise ChecksumError(f"{where}: its {MANIFEST_HASH_KEY} field is damaged; restore the manifest or load an "
+                                "earlier checkpoint")
+    else:
+        unknown = sorted(set(manifest) - MANIFEST_KEYS)
+        if unknown:
+            raise CheckpointError(
+                f"{where} has keys this rayzero does not know ({unknown}) and no {MANIFEST_HASH_KEY}: the manifest "
+                "is damaged (or was written by a newer rayzero); restore it or load an earlier checkpoint"
+            )
     if manifest.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{where} is not a rayzero checkpoint manifest (format={manifest.get('format')!r})")
     if manifest.get("version") != FORMAT_VERSION:

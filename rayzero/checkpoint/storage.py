@@ -152,6 +152,13 @@ class HashingWriter:
         self.raw = raw
         self.local_file = local_file
         self.hasher = xxhash.xxh3_64()
+        # every byte but the fragments' data values (the manifest's frame_xxh3, see format.FragmentFile):
+        # the Arrow writer writes each buffer with one write, and a fragment's data values come right after
+        # its data column's 16 offset bytes [0, n]
+        self.frame = xxhash.xxh3_64()
+        self.data_skipped = 0  # data-value writes left out of ``frame``
+        self._expect: bytes | None = None  # the offsets of the data column of the batch being written
+        self._armed = -1  # the byte count of the data values that come next
         self.size = 0
         self.closed = False
         self._kicked = 0  # bytes already handed to writeback
@@ -159,6 +166,13 @@ class HashingWriter:
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self.hasher.update(view)
+        if view.nbytes == self._armed:
+            self._armed, self._expect = -1, None
+            self.data_skipped += 1
+        else:
+            self.frame.update(view)
+            if self._expect is not None and view.nbytes == 16 and view == self._expect:
+                self._armed = int.from_bytes(self._expect[8:], "little")
         self.raw.write(view)
         self.size += view.nbytes
         if self.local_file is not None and _SYNC_FILE_RANGE is not None \
@@ -170,6 +184,11 @@ class HashingWriter:
 
     def flush(self) -> None:
         self.raw.flush()
+
+    def expect_data(self, nbytes: int) -> None:
+        """The next record batch holds a fragment of ``nbytes`` data bytes (none: nothing to leave out)."""
+        self._expect = (0).to_bytes(8, "little") + nbytes.to_bytes(8, "little") if nbytes else None
+        self._armed = -1
 
     def tell(self) -> int:
         return self.size

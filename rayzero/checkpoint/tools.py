@@ -15,9 +15,17 @@ from typing import Any
 
 import torch
 
-from rayzero.checkpoint.reader import FragmentIndex, read_manifest, resolve_tag
+from rayzero.checkpoint.reader import (
+    FragmentIndex,
+    coverage_problems,
+    file_problems,
+    layout_problems,
+    read_manifest,
+    resolve_tag,
+)
 from rayzero.checkpoint.format import (
     MANIFEST,
+    MANIFEST_HASH_KEY,
     STATE_MASTER,
     STATE_WHOLE,
     CheckpointError,
@@ -192,9 +200,11 @@ def verify(path_or_uri: str | os.PathLike, tag: str | None = None) -> list[str]:
     problems: list[str] = []
     covered: dict[tuple[str, str], list[tuple[int, int]]] = {}
     whole_files = True  # coverage is only worth checking when every file could be read
-    if len(m["files"]) != m["world_size"]:
-        problems.append(f"the manifest lists {len(m['files'])} fragment files for world size {m['world_size']}")
-    for info in m["files"]:
+    if MANIFEST_HASH_KEY not in m:
+        problems.append(f"{MANIFEST}: no {MANIFEST_HASH_KEY} (written by a rayzero before manifests were hashed): "
+                        "its contents cannot be verified")
+    problems += layout_problems(m)
+    for r, info in enumerate(m["files"]):
         name = info["file"]
         path = storage.join(ck.tag, name)
         if not storage.exists(path):
@@ -213,8 +223,7 @@ def verify(path_or_uri: str | os.PathLike, tag: str | None = None) -> list[str]:
             problems.append(f"{name}: {e}")
             whole_files = False
             continue
-        if len(ff.index) != info["fragments"]:
-            problems.append(f"{name}: holds {len(ff.index)} fragments, the manifest says {info['fragments']}")
+        problems += file_problems(m, r, ff)
         for i, entry in enumerate(ff.index):
             where = f"{name}: fragment {i} ({entry['param']}/{entry['state']} [{entry['start']}, {entry['end']}))"
             covered.setdefault((entry["param"], entry["state"]), []).append((entry["start"], entry["end"]))
@@ -227,33 +236,7 @@ def verify(path_or_uri: str | os.PathLike, tag: str | None = None) -> list[str]:
                 n = entry["end"] - entry["start"]
                 problems.append(f"{where}: holds {data.numel()} elements, its range has {n}")
     if whole_files:
-        problems += _coverage_problems(m, covered)
-    return problems
-
-
-def _coverage_problems(m: dict, covered: dict[tuple[str, str], list[tuple[int, int]]]) -> list[str]:
-    """Each saved (param, state) covers [0, numel) exactly once; masters and whole tensors must be there."""
-    problems = []
-    numel = {p["name"]: p["numel"] for p in m["params"]}
-    numel.update({w["name"]: _numel(w["shape"]) for w in m.get("whole", [])})
-    required = [(p["name"], STATE_MASTER) for p in m["params"]] + [(w["name"], STATE_WHOLE) for w in m.get("whole", [])]
-    for key in required:
-        if key not in covered and numel[key[0]] > 0:
-            problems.append(f"{key[0]}/{key[1]}: no fragment holds it")
-    for (param, state), ranges in sorted(covered.items()):
-        if param not in numel:
-            problems.append(f"{param}/{state}: saved, but not in the manifest's params or whole tables")
-            continue
-        pos = 0
-        for start, end in sorted(ranges):
-            if start != pos:
-                what = "overlap" if start < pos else "gap"
-                problems.append(f"{param}/{state}: {what} at element {min(start, pos)} (fragments [{start}, {end}))")
-                break
-            pos = end
-        else:
-            if pos != numel[param]:
-                problems.append(f"{param}/{state}: fragments cover [0, {pos}) of {numel[param]} elements")
+        problems += coverage_problems(m, covered)
     return problems
 
 

@@ -38,8 +38,16 @@ from typing import Callable, ContextManager
 import torch
 
 from rayzero.checkpoint import direct_io
-from rayzero.checkpoint.format import (LATEST, MANIFEST, CheckpointError, Fragment, StorageFullError, rank_file_name,
-                                      write_fragments)
+from rayzero.checkpoint.format import (
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    Fragment,
+    StorageFullError,
+    manifest_bytes,
+    rank_file_name,
+    write_fragments,
+)
 from rayzero.checkpoint.storage import HashingWriter, Storage
 
 STAGING_PREFIX = ".tmp-"
@@ -96,6 +104,24 @@ def recover(storage: Storage, tag: str | None = None) -> None:
                     pass
 
 
+def clean_leftovers(storage: Storage) -> list[str]:
+    """Remove what crashed saves left in ``storage`` (incomplete staging directories, replaced copies whose
+    tag is in place, object-store directories still marked incomplete) after putting back any tag a crashed
+    re-save left missing; returns the names removed.  No save may be in flight in ``storage``."""
+    recover(storage)
+    removed = []
+    for name in storage.listdir(storage.root):
+        if name.startswith((STAGING_PREFIX, OLD_PREFIX)):
+            if not _complete(storage, name) or _complete(storage, _tag_of(name)):
+                storage.delete_dir(storage.join(name))
+                removed.append(name)
+        elif not storage.local and storage.exists(storage.join(name, INCOMPLETE)):
+            if not storage.exists(storage.join(name, MANIFEST)):
+                storage.delete_dir(storage.join(name))
+                removed.append(name)
+    return removed
+
+
 def prepare(storage: Storage, tag: str) -> None:
     """Rank 0, before the barrier: a clean staging directory, and no leftovers of crashed saves.
 
@@ -103,14 +129,7 @@ def prepare(storage: Storage, tag: str) -> None:
     only complete copy of a tag (``recover()`` puts such a copy back in place first)."""
     wait_discards()
     storage.makedirs(storage.root)
-    recover(storage)
-    for name in storage.listdir(storage.root):
-        if name.startswith((STAGING_PREFIX, OLD_PREFIX)):
-            if not _complete(storage, name) or _complete(storage, _tag_of(name)):
-                storage.delete_dir(storage.join(name))
-        elif not storage.local and storage.exists(storage.join(name, INCOMPLETE)):
-            if not storage.exists(storage.join(name, MANIFEST)):
-                storage.delete_dir(storage.join(name))
+    clean_leftovers(storage)
     stage = staging_dir(storage, tag)
     if not storage.local and storage.exists(storage.join(tag, MANIFEST)):
         # An object store cannot swap a directory atomically: replacing the tag would delete the
@@ -176,10 +195,64 @@ def check_space(storage: Storage, tag: str, nbytes: int) -> StorageFullError | N
     )
 
 
+PROBE_PREFIX = ".probe-"  # a rank's probe file in the staging directory, while the first save checks the storage
+
+
+def _probe(storage: Storage, stage: str, rank: int) -> str:
+    name = f"{PROBE_PREFIX}{rank_file_name(rank)[: -len('.arrow')]}"
+    return f"{stage}/{name}" if not storage.local else os.path.join(stage, name)
+
+
+def check_shared(storage: Storage, tag: str, rank: int, world: int, all_gather: Callable[[object], list]) -> None:
+    """Every rank, at its first save to ``storage``, after rank 0 made the staging directory of ``tag``: each
+    writes a small probe file there, and each checks that it sees every rank's probe.  Storage that each rank
+    has its own of (a local path on separate nodes, per-rank directories) fails here within seconds, on every
+    rank with the same CheckpointError naming each rank's path and host, instead of rank 0 waiting for rank
+    files it can never see.  ``all_gather(obj)`` returns every rank's ``obj`` (a collective, so a barrier)."""
+    import socket
+
+    host, stage = socket.gethostname(), staging_dir(storage, tag)
+    wrote = None
+    try:
+        if storage.local and not os.path.isdir(stage):  # never made here: rank 0 made it on its own storage
+            raise FileNotFoundError(f"the staging directory {stage} does not exist for this rank")
+        storage.write_bytes_atomic(_probe(storage, stage, rank), json.dumps({"rank": rank, "host": host}).encode(),
+                                   durable=False)
+    except OSError as e:
+        wrote = f"{type(e).__name__}: {e}"
+    all_gather(None)  # every probe is written before any rank looks
+    missing = [r for r in range(world) if not (r == rank and wrote) and not storage.exists(_probe(storage, stage, r))]
+    views = all_gather({"rank": rank, "host": host, "path": storage.root, "missing": missing, "error": wrote})
+    if wrote is None:  # after every rank looked, before this rank's file (so before the commit)
+        try:
+            storage.fs.delete_file(_probe(storage, stage, rank))
+        except OSError:
+            pass
+    if not any(v["missing"] or v["error"] for v in views):
+        return
+    if rank == 0:
+        abort(storage, tag)
+    lines = []
+    for v in views:
+        what = f"rank {v['rank']} (host {v['host']}) saves to {v['path']!r}"
+        if v["error"]:
+            what += f" and could not write there ({v['error']})"
+        if v["missing"]:
+            what += f" and does not see the files of rank{'s' if len(v['missing']) > 1 else ''} " \
+                    f"{', '.join(map(str, v['missing']))}"
+        lines.append(what)
+    raise CheckpointError(
+        "the checkpoint storage is not shared by all ranks: " + "; ".join(lines) + ". Every rank writes its own "
+        "part of a checkpoint into the same directory, so checkpoints need storage every rank shares: a shared "
+        "filesystem mounted at the same path on every node, or an object store URI (s3://, gs://, ...)"
+    )
+
+
 def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment], extra: dict,
-               open_group: Callable[[int], ContextManager] | None = None) -> None:
+               open_group: Callable[[int], ContextManager] | None = None, meta: dict | None = None) -> None:
     """Write this rank's fragment file and its done marker (or an error marker, then re-raise).
-    ``open_group`` makes a deferred fragment's group resident (``format.write_fragments``)."""
+    ``open_group`` makes a deferred fragment's group resident (``format.write_fragments``); ``meta`` (rank,
+    world size, tag, step) is recorded in the file's schema."""
     final = f"{stage}/{rank_file_name(rank)}" if not storage.local else os.path.join(stage, rank_file_name(rank))
     try:
         tmp = final + ".partial"
@@ -194,7 +267,7 @@ def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment
 
         try:
             with pa.PythonFile(sink, mode="w") as out:
-                index = write_fragments(out, fragments, open_group)
+                index = write_fragments(out, fragments, open_group, meta, sink.expect_data)
             sink.close()
         except BaseException:
             sink.abandon()
@@ -202,7 +275,12 @@ def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment
         if storage.local:
             os.replace(tmp, final)
         marker = {"file": rank_file_name(rank), "size": sink.size, "xxh3": sink.hasher.hexdigest(),
-                  "fragments": len(index), **extra}
+                  "fragments": len(index)}
+        # the hash of what a load reads besides the fragments' data (each fragment's own hash covers that),
+        # taken as the file was written; recorded only where every fragment's data was told apart
+        if sink.data_skipped == sum(1 for e in index if e["end"] > e["start"]):
+            marker["frame_xxh3"] = sink.frame.hexdigest()
+        marker.update(extra)
         # The marker only tells rank 0 this file is complete; the manifest (fsynced) is what commits.
         storage.write_bytes_atomic(f"{final[: -len('.arrow')]}.done.json", json.dumps(marker).encode(), durable=False)
     except BaseException as e:
@@ -250,7 +328,7 @@ def commit(
         base = f"{stage}{sep}{rank_file_name(r)[: -len('.arrow')]}"
         storage.fs.delete_file(base + ".done.json")
     crash_point("before_manifest", tag)
-    storage.write_bytes_atomic(f"{stage}{sep}{MANIFEST}", json.dumps(manifest, indent=1).encode())
+    storage.write_bytes_atomic(f"{stage}{sep}{MANIFEST}", manifest_bytes(manifest))
     if not storage.local:
         storage.fs.delete_file(f"{stage}/{INCOMPLETE}")
     crash_point("manifest_written", tag)

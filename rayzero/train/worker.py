@@ -273,6 +273,7 @@ def _train(spec: WorkerSpec) -> dict:
         resumed_from = tag
     start_step = engine.global_steps
     if rank == 0:
+        _prune_unrecorded(storage, loading)
         _phase(ctx, f"first step: step {start_step + 1} of {spec.max_steps}")
 
     metrics = MetricsWriter(storage) if rank == 0 else None
@@ -410,6 +411,17 @@ def _phase(ctx, text: str) -> None:
     from rayzero.train.metrics import publish_phase
 
     publish_phase(ctx.get_experiment_name(), text)
+
+
+def _prune_unrecorded(storage: Storage, resumed_from: str | None) -> None:
+    """keep_checkpoints: delete checkpoint folders no record holds (``retention.prune``); a failure to delete
+    is only logged."""
+    from rayzero.train.retention import prune
+
+    try:
+        prune(storage, resumed_from)
+    except OSError as e:
+        logging.getLogger("rayzero").warning("rayzero: could not remove old checkpoint folders: %s", e)
 
 
 def _newer_commit(storage: Storage, given: str | None) -> str | None:
