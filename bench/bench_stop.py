@@ -34,7 +34,7 @@ def _rank_main(rank: int, world: int, port: int, queue) -> None:
         from rayzero.train.stop import agree
 
         comm = Communicator.for_group(None)
-        kinds = {"loss alone": lambda t: comm.sum_scalar(t).item(), "loss + stop flag": lambda t: agree(comm, t, False, world)}
+        kinds = {"loss alone": lambda t: comm.sum_scalar(t).item(), "loss + stop flag": lambda t: agree(comm, t, 0.0, world)}
         best = {k: float("inf") for k in kinds}
         for _ in range(ROUNDS):
             for kind, op in kinds.items():

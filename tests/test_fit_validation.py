@@ -226,6 +226,24 @@ def test_fatal_worker_errors_are_not_retried():
     assert _decision({0: CheckpointError("rank 1 did not finish writing")}) == "RETRY"
     assert _decision({0: rayzero.ConfigError("x"), 1: RayActorError()}) == "RETRY"
     assert _decision({0: RuntimeError("x")}, max_failures=0) == "RAISE"
+    # StorageFullError: the next attempt meets the same full volume at the same save
+    from rayzero.checkpoint.format import StorageFullError
+
+    assert _decision({0: StorageFullError("no room"), 1: StorageFullError("no room")}) == "RAISE"
+
+
+def test_workers_that_stopped_on_a_preemption_notice_are_a_preemption_not_a_failure():
+    """Workers that saved on a node's preemption notice and saw no teardown raise NodePreempted: charged to
+    Ray Train's preemption budget (unlimited by default), not max_failures, even at max_failures=0."""
+    from ray.train.v2.api.preemption import PreemptionInfo
+
+    from rayzero.train.failures import NodePreempted
+
+    info = PreemptionInfo(deadline_ms=1, preempted_node_to_ranks={"n1": [0]})
+    both = {0: NodePreempted("saved at step 3", info), 1: NodePreempted("saved at step 3", info)}
+    assert _decision(both, max_failures=0) == "RETRY"
+    # one rank's other error is a failure like any other
+    assert _decision({0: NodePreempted("saved", info), 1: RuntimeError("x")}, max_failures=0) == "RAISE"
 
 
 # ---- the loss of a Hugging Face model's own output

@@ -67,8 +67,36 @@ def _wait(pred, timeout: float, what: str, box: dict) -> None:
         time.sleep(0.5)
 
 
-def _grow_and_shrink(tmp_path, monkeypatch, *, workers, head_cpus, node_cpus, factory, config, name):
-    """Start at ``workers[0]`` on the head, add a node (the run grows), remove it (it shrinks back)."""
+def _records(run_dir: str) -> list[dict]:
+    out = []
+    for line in open(os.path.join(run_dir, "metrics.jsonl")):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+PREEMPT_DEADLINE_S = 20  # the notice's deadline (a cloud gives 30 s to 2 min)
+
+
+def _drain_for_preemption(cluster, node, deadline_s: float) -> None:
+    """What a cloud provider's spot reclaim does through Ray (autoscaler v2, or ``ray drain-node --reason
+    DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N``): the node is draining, to be taken away at
+    its deadline."""
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=cluster.gcs_address)
+    accepted, why = gcs.drain_node(node.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                   "test: the node's spot instance is reclaimed", int((time.time() + deadline_s) * 1000))
+    assert accepted, why
+
+
+def _grow_and_shrink(tmp_path, monkeypatch, *, workers, head_cpus, node_cpus, factory, config, name,
+                     preempt: bool = False):
+    """Start at ``workers[0]`` on the head, add a node (the run grows), remove it (it shrinks back).  With
+    ``preempt``, the node first gets a preemption notice (drained with a ``PREEMPT_DEADLINE_S`` deadline) and is
+    removed at its deadline, as a provider takes a reclaimed node."""
     monkeypatch.setenv("PYTHONPATH", WORKER_PYTHONPATH)  # the workers import the test helpers
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "15")  # shrink quickly after a node leaves
     cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": head_cpus})
@@ -85,8 +113,9 @@ def _grow_and_shrink(tmp_path, monkeypatch, *, workers, head_cpus, node_cpus, fa
         try:
             box["result"] = rayzero.fit(
                 factory,
+                # a preemption is not a failure: with a notice, none is allowed
                 {"workers": workers, "storage": str(tmp_path), "name": name, "checkpoint_every": 5,
-                 "max_failures": 5, "elastic_check_interval_s": 2, "progress": False},
+                 "max_failures": 0 if preempt else 5, "elastic_check_interval_s": 2, "progress": False},
                 config=config,
                 data=Regression(),
                 train_step=SlowWhileFlag(flag, 0.5),
@@ -104,7 +133,17 @@ def _grow_and_shrink(tmp_path, monkeypatch, *, workers, head_cpus, node_cpus, fa
         node = cluster.add_node(num_cpus=node_cpus)
         _wait(lambda: large in _worlds(run_dir), 150, f"the run to grow to {large} workers", box)
         time.sleep(2)
-        cluster.remove_node(node)
+        if preempt:
+            notice = time.time()
+            _drain_for_preemption(cluster, node, deadline_s=PREEMPT_DEADLINE_S)
+            _wait(lambda: any(r.get("preempted") for r in _records(run_dir)), 60, "the checkpoint at the notice", box)
+            # the provider takes the node after its deadline, once Ray Train has moved the run off it (taken at
+            # the deadline itself, its workers may die before Ray Train's teardown: a failure, not a preemption,
+            # which would then resume from the same checkpoint)
+            time.sleep(max(0.0, notice + PREEMPT_DEADLINE_S + 5 - time.time()))
+            cluster.remove_node(node)
+        else:
+            cluster.remove_node(node)
         _wait(lambda: _worlds(run_dir)[-1] == small and large in _worlds(run_dir), 150, "the run to shrink back", box)
         os.remove(flag)  # let the rest of the run go fast
         thread.join(timeout=240)
@@ -119,6 +158,17 @@ def _grow_and_shrink(tmp_path, monkeypatch, *, workers, head_cpus, node_cpus, fa
         cluster.shutdown()
 
     result = box["result"]
+    if preempt:
+        # the workers saved a checkpoint at the step the notice reached them, and the run went on from it on the
+        # head alone: the next step trained is the one after it, nothing redone
+        records = _records(run_dir)
+        at = [i for i, r in enumerate(records) if r.get("preempted")]
+        assert len(at) == 1, [r["step"] for r in records if r.get("preempted")]
+        noticed, after = records[at[0]], records[at[0] + 1]
+        assert noticed["world_size"] == large and after["world_size"] == small
+        assert after["step"] == noticed["step"] + 1
+        print(f"preemption notice to the checkpoint: {noticed['time'] - notice:.1f} s; to the first step on the "
+              f"nodes that stay: {after['time'] - notice:.1f} s (deadline {PREEMPT_DEADLINE_S} s)")
     assert result.world_sizes[0] == small and large in result.world_sizes and result.world_sizes[-1] == small
     for r in result.history:  # the same global batch at every world size
         assert r["micro_batch"] * r["accumulation"] * r.get("dp", r["world_size"]) == config["train_batch_size"]
@@ -129,8 +179,10 @@ def _grow_and_shrink(tmp_path, monkeypatch, *, workers, head_cpus, node_cpus, fa
 
 
 def test_grow_and_shrink_keep_the_global_batch_and_every_sample(tmp_path, monkeypatch):
+    """Grows onto a second node, which then gets a preemption notice: the run saves at once and goes on without
+    it (the node lost without a notice: the expert-parallel test below)."""
     _grow_and_shrink(tmp_path, monkeypatch, workers=(1, 3), head_cpus=1, node_cpus=2, factory=model_factory,
-                     config=CONFIG, name="elastic")
+                     config=CONFIG, name="elastic", preempt=True)
 
 
 def test_expert_parallel_run_grows_and_shrinks_resharding_experts(tmp_path, monkeypatch):

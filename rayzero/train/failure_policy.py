@@ -12,13 +12,20 @@ from __future__ import annotations
 from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy, FailureDecision
 
-from rayzero.train.failures import fatal_error
+from rayzero.train.failures import fatal_error, preempted
 
 
 class FatalErrorPolicy(DefaultFailurePolicy):
     def make_decision(self, training_failed_error):
         if fatal_error(training_failed_error) is not None:
             return FailureDecision.RAISE
+        info = preempted(training_failed_error)
+        if info is not None:
+            # every rank saved a checkpoint on a node's preemption notice and stopped: a preemption, charged to
+            # FailureConfig.max_preemption_failures as Ray Train charges its own, and restarted at once
+            from ray.train.v2.api.exceptions import PreemptionError
+
+            return super().make_decision(PreemptionError(preemption_info=info))
         return super().make_decision(training_failed_error)
 
 

@@ -26,6 +26,48 @@ class NonFiniteLossError(FloatingPointError):
     step: every retry from the last checkpoint would meet it again."""
 
 
+class NodePreempted(RuntimeError):
+    """Raised by every worker of a ``fit`` run after it saved a checkpoint on a node's preemption notice (the
+    node is draining: Ray's drain with reason preemption).  Not a failure of the run: rayzero's failure policy
+    hands Ray Train a preemption for it (``FailureConfig.max_preemption_failures``, not ``max_failures``), and
+    Ray Train restarts the run at once on the nodes that stay, from that checkpoint.  ``preemption_info``: Ray
+    Train's ``PreemptionInfo`` of the notice."""
+
+    def __init__(self, message: str, preemption_info=None):
+        super().__init__(message)
+        self.preemption_info = preemption_info
+
+    def __reduce__(self):
+        return (NodePreempted, (self.args[0], self.preemption_info))
+
+
+def preempted(failure: BaseException):
+    """The ``PreemptionInfo`` when every rank of Ray Train's ``failure`` raised :class:`NodePreempted` (they
+    saved a checkpoint on a preemption notice and stopped), else None."""
+    failures = getattr(failure, "worker_failures", None)
+    if not isinstance(failures, dict) or not failures or _died_any(failures):
+        return None
+    found = [_unwrap(e) for e in failures.values()]
+    if not all(isinstance(e, NodePreempted) for e in found):
+        return None
+    return next((e.preemption_info for e in found if e.preemption_info is not None), None)
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """A worker's own exception behind Ray's wrappers (a RayTaskError's ``.cause``, ``__cause__``)."""
+    seen = 0
+    while seen < 8 and not isinstance(error, NodePreempted):
+        nxt = getattr(error, "cause", None) or error.__cause__
+        if nxt is None:
+            break
+        error, seen = nxt, seen + 1
+    return error
+
+
+def _died_any(failures: dict) -> bool:
+    return any(_died(e) for e in failures.values())
+
+
 def mark_fatal(error: BaseException) -> BaseException:
     """Mark ``error`` as one that no retry can get past; the mark travels with the pickled exception."""
     setattr(error, FATAL_ATTR, True)

@@ -7,6 +7,12 @@ element (``agree``), so every rank stops after the same step.  They save a check
 ``ClusterConfig(save_on_stop=False)``), report it to Ray Train and return; ``fit`` then raises ``RunStopped``
 with what was saved and how to resume.  A second signal while the run stops aborts it at once: the checkpoints
 saved before stay good (a save is atomic: a checkpoint without its manifest is never loaded).
+
+A node's preemption notice takes the same path: Ray Train marks every worker when a node of the group is
+draining for preemption; rank 0's watcher reads the mark, the ranks agree on it in the same all-reduce and
+save a checkpoint at that step, then wait: at the node's deadline Ray Train tears the group down and restarts
+it on the nodes that stay, from that checkpoint, charged to ``FailureConfig.max_preemption_failures``.  (An
+earlier restart would count the draining node's resources, which Ray still reports, and wait for them.)
 """
 
 from __future__ import annotations
@@ -66,39 +72,82 @@ def clear_stop(run: str) -> None:
 # ---- the workers ----------------------------------------------------------------------------------------------
 
 
+STOP, PREEMPT = 1.0, 2.0  # what rank 0 puts in the step's all-reduce: the driver's stop, a preemption notice
+PREEMPTION_NO_DEADLINE_S = 120.0  # Ray Train's wait for a notice without a deadline (DEFAULT_PREEMPTION_DEADLINE_S)
+PREEMPTION_WAIT_S = 120.0  # how long past the deadline the workers wait for Ray Train's teardown before raising
+
+
+def preemption_notice():
+    """Ray Train's ``PreemptionInfo`` for this worker's group once a node hosting one of its workers is being
+    preempted (Ray's drain with reason preemption, which Ray Train's ``PreemptionWatcher`` fans out to every
+    worker), else None.  Read from the worker's own train context: no call, no barrier (``ray.train.
+    get_preemption_info()`` is a barrier across all workers on every call)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().preemption_context.preemption_info
+    except Exception:  # noqa: BLE001 - no train context (a worker of another kind), or Ray moved it
+        return None
+
+
 class StopWatcher(threading.Thread):
-    """On rank 0: reads the run's stop request every ``poll_s`` seconds and sets ``requested`` when there is one.
-    A failed read (the GCS busy or gone) counts as no request: the run goes on as it would without a stop."""
+    """On rank 0: every ``poll_s`` seconds reads the run's stop request (``requested``) and whether a node of the
+    worker group is being preempted (``preemption``: Ray Train's ``PreemptionInfo``).  A failed read (the GCS busy
+    or gone) counts as no request: the run goes on as it would without a stop."""
 
     def __init__(self, run: str, poll_s: float = POLL_S):
         super().__init__(daemon=True, name="rayzero-stop-watcher")
         self.run_name, self.poll_s = run, poll_s
         self.requested = threading.Event()
+        self.preemption = None
         self.done = threading.Event()
 
     def run(self) -> None:  # noqa: D401 - threading.Thread's entry point
         while not self.done.wait(self.poll_s):
-            try:
-                if stop_requested(self.run_name):
-                    self.requested.set()
-                    return
-            except Exception:  # noqa: BLE001 - a courtesy read: never fail the run for it
-                continue
+            if self.preemption is None:
+                self.preemption = preemption_notice()
+            if not self.requested.is_set():
+                try:
+                    if stop_requested(self.run_name):
+                        self.requested.set()
+                except Exception:  # noqa: BLE001 - a courtesy read: never fail the run for it
+                    pass
+            if self.requested.is_set() and self.preemption is not None:
+                return
+
+    def flag(self) -> float:
+        """What rank 0 adds to the step's all-reduce: a stop asked by the driver wins over a preemption notice."""
+        if self.requested.is_set():
+            return STOP
+        return PREEMPT if self.preemption is not None else 0.0
 
     def close(self) -> None:
         self.done.set()
 
 
-def agree(comm, step_loss: torch.Tensor, stop: bool, world: int) -> tuple[float, bool]:
+def agree(comm, step_loss: torch.Tensor, flag: float, world: int) -> tuple[float, float]:
     """Sum the step's loss over the ranks and agree whether to stop, in the one all-reduce the step already
-    does: the loss tensor carries a second element, 1 where this rank was asked to stop.  Returns the summed
-    loss (a Python float) and whether any rank was asked.  The loss element is summed as it was alone (the
-    transports add element by element)."""
+    does: the loss tensor carries a second element, rank 0's ``flag`` (0, ``STOP`` or ``PREEMPT``; the other
+    ranks add 0).  Returns the summed loss (a Python float) and the flag every rank now has.  The loss element
+    is summed as it was alone (the transports add element by element)."""
     if world == 1:
-        return step_loss.item(), stop
-    both = torch.cat([step_loss.reshape(1), step_loss.new_full((1,), 1.0 if stop else 0.0)])
-    loss, flag = comm.sum_scalar(both).tolist()
-    return loss, flag > 0
+        return step_loss.item(), flag
+    both = torch.cat([step_loss.reshape(1), step_loss.new_full((1,), flag)])
+    loss, agreed = comm.sum_scalar(both).tolist()
+    return loss, agreed
+
+
+def preempted_message(step: int, tag: str | None, info) -> str:
+    """What a worker raises (``NodePreempted``) after the checkpoint it saved on a preemption notice."""
+    nodes = ", ".join(getattr(info, "preempted_node_ids", None) or []) or "a node of the worker group"
+    deadline = getattr(info, "deadline_ms", None)
+    import time
+
+    left = f", {max(0.0, deadline / 1000 - time.time()):.0f} s before its deadline" if deadline else ""
+    saved = f"saved checkpoint {tag} at step {step}" if tag else f"stopped after step {step}"
+    return (f"node {nodes} is being preempted{left}: {saved}; at the deadline Ray Train restarts the run from it "
+            "on the nodes that stay (a preemption counts against FailureConfig.max_preemption_failures, not "
+            "max_failures)")
 
 
 # ---- the driver ---------------------------------------------------------------------------------------------

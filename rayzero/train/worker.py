@@ -29,7 +29,9 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.train.data import GlobalOrder, micro_batches
 from rayzero.train.metrics import MetricsWriter
 from rayzero.train.planning import plan_step
-from rayzero.train.stop import agree
+from rayzero.train.failures import NodePreempted
+from rayzero.train.stop import (PREEMPT, PREEMPTION_NO_DEADLINE_S, PREEMPTION_WAIT_S, STOP, agree, preempted_message,
+                                preemption_notice)
 
 SAMPLES_FILE = "samples.jsonl"
 TAG_FORMAT = "checkpoint_step{:08d}"  # the tag of the checkpoint saved after that many steps
@@ -296,7 +298,8 @@ def _train(spec: WorkerSpec) -> dict:
         step_loss = run_step(engine, spec, batches, plan.accumulation)
         # the step's one read of the loss, summed over the world (every data shard appears tp times in it, so
         # the world mean is the shards' mean) in the all-reduce that also agrees on a stop (rayzero/train/stop.py)
-        total, stop = agree(engine.comm, step_loss, watcher is not None and watcher.requested.is_set(), world)
+        total, flag = agree(engine.comm, step_loss, watcher.flag() if watcher is not None else 0.0, world)
+        stop, preempt = flag == STOP, flag == PREEMPT
         loss_value = total / world
         if not math.isfinite(loss_value) and engine.skipped_steps == skipped:
             raise _non_finite_loss(loss_value, step + 1, spec)
@@ -323,12 +326,15 @@ def _train(spec: WorkerSpec) -> dict:
         }
         last_time = now
         done = step + 1 == spec.max_steps
-        stop = stop and not done  # the last step ends the run anyway
+        stop, preempt = stop and not done, preempt and not done  # the last step ends the run anyway
         if stop:
             record["stopped"] = True
+        if preempt:
+            record["preempted"] = True
         if metrics is not None:
             metrics.write(record)
-        if ((spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0) or done
+        tag = None
+        if ((spec.checkpoint_every and (step + 1) % spec.checkpoint_every == 0) or done or preempt
                 or (stop and spec.extra.get("save_on_stop", True))):
             tag = engine.save_checkpoint(storage, tag=TAG_FORMAT.format(step + 1))
             ray.train.report(
@@ -339,6 +345,13 @@ def _train(spec: WorkerSpec) -> dict:
         if stop:  # every rank agreed: the driver asked the run to stop (SIGINT/SIGTERM)
             stopped_at = step + 1
             break
+        if preempt:  # every rank agreed: a node of the group is being preempted (rayzero/train/stop.py)
+            if watcher is not None:
+                watcher.close()
+            if metrics is not None:
+                metrics.close()
+            engine.destroy()
+            _await_preemption(rank, step + 1, tag)
     if watcher is not None:
         watcher.close()
     if metrics is not None:
@@ -374,6 +387,24 @@ def _non_finite_loss(value: float, step: int, spec: WorkerSpec) -> Exception:
         'lower the learning rate, or set "nonfinite_grad": "skip" in the config to skip steps whose gradients '
         "are not finite"
     )
+
+
+def _await_preemption(rank: int, step: int, tag: str | None) -> None:
+    """After the checkpoint saved on a preemption notice: wait for Ray Train, which tears the worker group down
+    at the node's deadline and restarts the run on the nodes that stay, from that checkpoint (a preemption,
+    charged to ``FailureConfig.max_preemption_failures``).  Returning would end the run as finished, and a
+    restart before the deadline would count the draining node's resources and wait for it.  Should the
+    teardown not come (``PREEMPTION_WAIT_S`` past the deadline), the workers raise ``NodePreempted``, which
+    rayzero's failure policy also hands Ray Train as a preemption."""
+    info = preemption_notice()
+    message = preempted_message(step, tag, info)
+    if rank == 0:
+        print(f"[rayzero] {message}", flush=True)
+    deadline_ms = getattr(info, "deadline_ms", None)
+    until = (deadline_ms / 1000 if deadline_ms else time.time() + PREEMPTION_NO_DEADLINE_S) + PREEMPTION_WAIT_S
+    while time.time() < until:
+        time.sleep(0.5)
+    raise NodePreempted(message, info)
 
 
 def _watch_for_stop(ctx):
