@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-import torch
-
 import logging
+
+import torch
 
 from rayzero.checkpoint.format import (
     LATEST,

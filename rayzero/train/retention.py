@@ -18,8 +18,7 @@ import logging
 
 from rayzero.checkpoint.storage import Storage
 from rayzero.checkpoint.writer import clean_leftovers
-
-SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of the run's checkpoints
+from rayzero.train.resume import SNAPSHOT  # Ray Train's record of the run's checkpoints
 
 logger = logging.getLogger("rayzero")
 
