@@ -116,7 +116,7 @@ def test_every_single_byte_edit_is_detected_by_verify_and_load(saved, loader, tm
     size = os.path.getsize(path)
     assert verify(save_dir) == []
     files = json.load(open(os.path.join(save_dir, "global_step2", "manifest.json")))["files"]
-    assert [sorted(f) for f in files] == [["file", "fragments", "frame_xxh3", "size", "xxh3"]]
+    assert [sorted(f) for f in files] == [["file", "fragments", "frame_xxh3", "meta_xxh3", "size", "xxh3"]]
     positions = range(0, size, 1 if EVERY_BYTE else stride)
     t0 = time.perf_counter()
     missed = _each_byte_edit(path, positions, lambda: _detected_by_verify(save_dir, file)
@@ -170,6 +170,29 @@ def test_a_rank_file_of_another_save_is_refused_naming_what_disagrees(saved, loa
     with pytest.raises(CheckpointError, match=r"rank_00000.arrow: saved with tag 'global_step3', the manifest says "
                                               r"'global_step2'"):
         loader.load_checkpoint(save_dir)
+
+
+def test_an_index_edit_is_refused_where_the_file_frame_is_not_hashed(saved, loader, tmp_path):
+    """A fragment's dtype edited in a rank file's index: its data hash still matches (the bytes are the same),
+    so on storage where a load does not hash the file's frame (object stores: no frame_xxh3 check) the index's
+    own hash in the manifest (meta_xxh3) is what finds it."""
+    save_dir = _copy(saved, tmp_path)
+    path = os.path.join(save_dir, "global_step2", "rank_00000.arrow")
+    data = open(path, "rb").read()
+    at = data.rfind(b'"dtype":"float32"')  # in the footer's schema, the copy a reader takes the index from
+    assert at > 0
+    with open(path, "wb") as f:
+        f.write(data[:at] + b'"dtype":"float16"' + data[at + len(b'"dtype":"float32"'):])
+    manifest = os.path.join(save_dir, "global_step2", "manifest.json")
+    m = json.load(open(manifest))
+    for info in m["files"]:
+        info.pop("frame_xxh3")  # what a load from an object store checks: no frame hash
+    with open(manifest, "wb") as f:
+        f.write(manifest_bytes(m))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in rank_00000.arrow of checkpoint 'global_step2': "
+                                              r"its index \(each fragment's tensor, range, dtype and hash\)"):
+        loader.load_checkpoint(save_dir)
+    assert any("rank_00000.arrow" in p for p in verify(save_dir))
 
 
 def test_world_and_shapes_that_disagree_are_refused(saved, loader, tmp_path):

@@ -150,9 +150,7 @@ def write_fragments(sink, fragments: list[Fragment], open_group: Callable[[int],
     with contextlib.closing(_tensors(fragments, open_group)) as items:  # closed (group released) on errors too
         for f, t in items:
             _hash_into(index, raws, f, t)
-    metadata = {INDEX_KEY: json.dumps(index, separators=(",", ":")).encode()}
-    if meta is not None:
-        metadata[RANK_KEY] = json.dumps(meta, separators=(",", ":")).encode()
+    metadata = schema_metadata(index, meta)
     schema = SCHEMA.with_metadata(metadata)
     with pa.ipc.new_file(sink, schema) as writer, contextlib.closing(_tensors(fragments, open_group)) as items:
         for entry, raw, (f, t) in zip(index, raws, items):
@@ -164,6 +162,26 @@ def write_fragments(sink, fragments: list[Fragment], open_group: Callable[[int],
                 before_batch(raw.nbytes)
             writer.write_batch(_batch(schema, entry, raw))
     return index
+
+
+def schema_metadata(index: list[dict], meta: dict | None) -> dict[bytes, bytes]:
+    """A fragment file's schema metadata: its index and (``meta``) who saved it."""
+    metadata = {INDEX_KEY: json.dumps(index, separators=(",", ":")).encode()}
+    if meta is not None:
+        metadata[RANK_KEY] = json.dumps(meta, separators=(",", ":")).encode()
+    return metadata
+
+
+def metadata_xxh3(metadata: dict[bytes, bytes]) -> str:
+    """XXH3 (hex) of the schema metadata that decides what a load restores from a fragment file: the index
+    (each fragment's tensor, state, range, dtype and data hash) and the saving rank's record.  The manifest
+    keeps it per file (``meta_xxh3``), and every load compares it on any storage: the metadata is read anyway,
+    so an edit of a fragment's dtype or range, which its data hash cannot see, is found without reading more."""
+    digest = xxhash.xxh3_64()
+    digest.update(metadata.get(INDEX_KEY, b""))
+    digest.update(b"\0")
+    digest.update(metadata.get(RANK_KEY, b""))
+    return digest.hexdigest()
 
 
 def _hash_into(index: list[dict], raws: list, f: Fragment, t: torch.Tensor) -> None:
@@ -222,6 +240,7 @@ class FragmentFile:
             meta = self.reader.schema.metadata or {}
             self.index = json.loads(meta[INDEX_KEY])
             self.meta = json.loads(meta[RANK_KEY]) if RANK_KEY in meta else None
+            self.metadata_xxh3 = metadata_xxh3(meta)
         except (pa.ArrowException, KeyError, ValueError, TypeError, OSError) as e:
             raise ChecksumError(
                 f"fragment file {name} is corrupt or truncated ({e}); restore it from a copy or load an "

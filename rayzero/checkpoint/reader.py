@@ -157,6 +157,11 @@ class FragmentIndex:
                     "the file is truncated or was replaced"
                 )
             ff = FragmentFile(info["file"], storage.open_random_access(path), path if storage.local else None)
+            if info.get("meta_xxh3") is not None and ff.metadata_xxh3 != info["meta_xxh3"]:
+                raise ChecksumError(
+                    f"checksum mismatch in {info['file']} of checkpoint {tag!r}: its index (each fragment's tensor, "
+                    f"range, dtype and hash) hashes to {ff.metadata_xxh3}, the manifest says {info['meta_xxh3']}; the "
+                    "file is corrupt or was replaced: restore it or load an earlier checkpoint")
             if info.get("frame_xxh3") is not None and storage.local:
                 # what a load reads besides the fragments' data: each fragment's hash covers its data
                 frame = ff.frame_xxh3()

@@ -45,7 +45,9 @@ from rayzero.checkpoint.format import (
     Fragment,
     StorageFullError,
     manifest_bytes,
+    metadata_xxh3,
     rank_file_name,
+    schema_metadata,
     write_fragments,
 )
 from rayzero.checkpoint.storage import HashingWriter, Storage
@@ -280,6 +282,8 @@ def write_rank(storage: Storage, stage: str, rank: int, fragments: list[Fragment
         # taken as the file was written; recorded only where every fragment's data was told apart
         if sink.data_skipped == sum(1 for e in index if e["end"] > e["start"]):
             marker["frame_xxh3"] = sink.frame.hexdigest()
+        # the index and the saving rank's record, which every load checks on any storage (format.metadata_xxh3)
+        marker["meta_xxh3"] = metadata_xxh3(schema_metadata(index, meta))
         marker.update(extra)
         # The marker only tells rank 0 this file is complete; the manifest (fsynced) is what commits.
         storage.write_bytes_atomic(f"{final[: -len('.arrow')]}.done.json", json.dumps(marker).encode(), durable=False)
