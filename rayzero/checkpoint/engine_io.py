@@ -366,13 +366,6 @@ class CheckpointIO:
             self.pending, self._copied, self._target = None, None, None
         wait_discards()
 
-    def _all_gather(self, obj: Any) -> list:
-        import torch.distributed as dist
-
-        out: list = [None] * self.engine.comm.world
-        dist.all_gather_object(out, obj, group=self.engine.comm.group)
-        return out
-
     def save(self, save_dir: str, tag: str | None, client_state: Any, async_save: bool) -> str:
         engine = self.engine
         self.wait()
@@ -397,7 +390,7 @@ class CheckpointIO:
             )
         world = engine.comm.world
         if world > 1 and (storage.local, storage.root) not in self._shared:
-            check_shared(storage, tag, engine.rank, world, self._all_gather)
+            check_shared(storage, tag, engine.rank, world, engine.comm.gather_objects)
             self._shared.add((storage.local, storage.root))
         # an async save copies the state on its own thread, unless NVMe offload may move it before the step
         later: list = []

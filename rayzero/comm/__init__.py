@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -261,6 +261,26 @@ class Communicator:
         """All-reduce a small fp32/fp64 tensor (norms, overflow flags) and return it."""
         self.all_reduce(value).wait()
         return value
+
+    def gather_objects(self, obj: Any) -> list:
+        """Every rank's picklable ``obj``, in rank order, on every rank (a collective).  For small records
+        (a few hundred bytes a rank, at set-up or a first save): built on the group's own all-reduce of tensors
+        on ``device``, each rank's bytes in its own row, so it works on any group rayzero communicates over,
+        where torch's object collectives stage through the host and a device-only backend refuses them."""
+        import pickle
+
+        data = pickle.dumps(obj)
+        if self.world == 1:
+            return [obj]
+        sizes = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        sizes[self.rank] = len(data)
+        sizes = self.sum_scalar(sizes).to("cpu").long().tolist()
+        width = max(sizes)
+        flat = torch.zeros(self.world * width, dtype=torch.float32, device=self.device)  # bytes are exact in fp32
+        flat[self.rank * width : self.rank * width + len(data)] = torch.frombuffer(
+            bytearray(data), dtype=torch.uint8).to(self.device)
+        rows = self.sum_scalar(flat).to("cpu").to(torch.uint8).view(self.world, width)
+        return [pickle.loads(rows[r, : sizes[r]].numpy().tobytes()) for r in range(self.world)]
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank of the group; every rank must call it (so it is also a
