@@ -77,7 +77,7 @@ def _records(run_dir: str) -> list[dict]:
     return out
 
 
-PREEMPT_DEADLINE_S = 20  # the notice's deadline (a cloud gives 30 s to 2 min)
+PREEMPT_DEADLINE_S = 12  # the notice's deadline (a cloud gives 30 s to 2 min; short here for the suite's time)
 
 
 def _drain_for_preemption(cluster, node, deadline_s: float) -> None:

@@ -43,7 +43,7 @@ def _step_with(rank, world, path):
     return out
 
 
-def test_tune_runs_trials_on_the_cluster_and_writes_a_config_fit_and_initialize_take(tmp_path):
+def test_tune_runs_trials_on_the_cluster_and_writes_a_config_initialize_takes(tmp_path):
     ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
     try:
         before_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "rayzero-tune-*")))
@@ -81,10 +81,6 @@ def test_tune_runs_trials_on_the_cluster_and_writes_a_config_fit_and_initialize_
         alive = _alive_actor_classes()
         assert [c for c in alive if c not in before_actors and c not in singletons] == []
         assert all(alive.count(c) <= 1 for c in singletons) and "NodeAgent" not in alive
-        # fit takes the file as is
-        fitted = rayzero.fit(model_factory, {"workers": 2, "storage": str(tmp_path / "runs"), "progress": False},
-                             config=str(out), data=tune_stream, loss_fn=mse, max_steps=2)
-        assert len(fitted.losses) == 2
     finally:
         ray.shutdown()
     # and so does initialize, on 2 ranks
