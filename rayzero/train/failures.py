@@ -47,21 +47,20 @@ def preempted(failure: BaseException):
     failures = getattr(failure, "worker_failures", None)
     if not isinstance(failures, dict) or not failures or _died_any(failures):
         return None
-    found = [_unwrap(e) for e in failures.values()]
-    if not all(isinstance(e, NodePreempted) for e in found):
+    found = [cause_of(e, NodePreempted) for e in failures.values()]
+    if not all(e is not None for e in found):
         return None
     return next((e.preemption_info for e in found if e.preemption_info is not None), None)
 
 
-def _unwrap(error: BaseException) -> BaseException:
-    """A worker's own exception behind Ray's wrappers (a RayTaskError's ``.cause``, ``__cause__``)."""
-    seen = 0
-    while seen < 8 and not isinstance(error, NodePreempted):
-        nxt = getattr(error, "cause", None) or error.__cause__
-        if nxt is None:
-            break
-        error, seen = nxt, seen + 1
-    return error
+def cause_of(error: BaseException | None, kind: type) -> BaseException | None:
+    """The first exception of ``kind`` along a worker error's causes (Ray's wrappers keep the worker's own
+    exception as a RayTaskError's ``.cause``, or as ``__cause__``), ``error`` itself first; None when none is."""
+    for _ in range(9):
+        if error is None or isinstance(error, kind):
+            return error
+        error = getattr(error, "cause", None) or error.__cause__
+    return None
 
 
 def _died_any(failures: dict) -> bool:

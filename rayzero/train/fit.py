@@ -555,14 +555,12 @@ def _user_error(error: BaseException) -> BaseException:
     """The error ``fit`` raises for a failed run: a worker's CheckpointError (a full disk, a save that failed)
     as rayzero raised it, with Ray's own error as its cause, rather than Ray's wrapper around it."""
     from rayzero.checkpoint.format import CheckpointError
+    from rayzero.train.failures import cause_of
 
     failures = getattr(error, "worker_failures", None) or {}
     for rank in sorted(failures):
-        cause = failures[rank]
-        seen = 0
-        while cause is not None and not isinstance(cause, CheckpointError) and seen < 8:
-            cause, seen = getattr(cause, "cause", None) or cause.__cause__, seen + 1  # (a RayTaskError's .cause)
-        if isinstance(cause, CheckpointError):
+        cause = cause_of(failures[rank], CheckpointError)
+        if cause is not None:
             ours = CheckpointError(f"{cause} (rank {rank})")
             ours.__cause__ = error  # Ray's error, with every worker's traceback
             return ours
