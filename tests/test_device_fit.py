@@ -13,6 +13,7 @@ import device_fit_cases
 import rayzero
 from distributed import run_distributed, run_once
 from ray_cases import Regression, cpu_fit, model_factory, mse
+import shared_ray
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -108,6 +109,7 @@ def test_an_accelerator_named_by_its_factory_loads_in_any_process(monkeypatch):
 # ---- rayzero.fit on a local Ray cluster ----------------------------------------------------------------
 
 ray = pytest.importorskip("ray")
+SHARED_RAY = True  # runs on the suite's one local cluster (tests/shared_ray.py)
 
 CONFIG = {
     "train_batch_size": 12,
@@ -121,11 +123,9 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    # the workers import this worktree's rayzero and the tests' modules (the stand-in's factory among them)
-    ray.init(num_cpus=3, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}"}})
-    yield
-    ray.shutdown()
+    # the suite's one cluster (tests/shared_ray.py), whose workers import this checkout's rayzero and the
+    # tests' modules (the stand-in's factory among them)
+    yield shared_ray.start()
 
 
 def _zero(stage: int, offload: bool) -> dict:

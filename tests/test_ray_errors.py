@@ -12,16 +12,16 @@ import torch
 
 import rayzero
 from moe_cases import tiny_qwen3
-from ray_cases import CONFIG, WORKER_PYTHONPATH, Regression, model_factory, mse
+from ray_cases import CONFIG, Regression, model_factory, mse
+import shared_ray
 
 ray = pytest.importorskip("ray")
+SHARED_RAY = True  # runs on the suite's one local cluster (tests/shared_ray.py)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
-    yield
-    ray.shutdown()
+    yield shared_ray.start()  # the suite's one cluster (tests/shared_ray.py)
 
 
 class CountingFactory:

@@ -14,9 +14,11 @@ import torch
 import rayzero
 from distributed import run_distributed, run_once
 from rayzero.capture.cache import kernel_archive_name
-from ray_cases import WORKER_PYTHONPATH, CONFIG, Regression, cpu_fit, expected_samples, final_samples, model_factory, mse, plain_run
+from ray_cases import CONFIG, Regression, cpu_fit, expected_samples, final_samples, model_factory, mse, plain_run
+import shared_ray
 
 ray = pytest.importorskip("ray")
+SHARED_RAY = True  # runs on the suite's one local cluster (tests/shared_ray.py)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -29,9 +31,7 @@ def _plain(steps: int) -> list[float]:
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
-    yield
-    ray.shutdown()
+    yield shared_ray.start()  # the suite's one cluster (tests/shared_ray.py)
 
 
 def test_fit_gives_the_losses_of_the_plain_engine(tmp_path):

@@ -12,9 +12,11 @@ import torch
 
 import rayzero
 from distributed import run_distributed
-from ray_cases import WORKER_PYTHONPATH, CONFIG, KillOnce, Regression, cpu_fit, expected_samples, final_samples, model_factory, mse
+from ray_cases import CONFIG, KillOnce, Regression, cpu_fit, expected_samples, final_samples, model_factory, mse
+import shared_ray
 
 ray = pytest.importorskip("ray")
+SHARED_RAY = True  # runs on the suite's one local cluster (tests/shared_ray.py)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 STEPS = 9
 EVERY = 2  # checkpoint_every
@@ -23,9 +25,7 @@ DETERMINISTIC = {**CONFIG, "deterministic": True}
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
-    yield
-    ray.shutdown()
+    yield shared_ray.start()  # the suite's one cluster (tests/shared_ray.py)
 
 
 def _fit(tmp_path, name: str, train_step=None) -> rayzero.Result:

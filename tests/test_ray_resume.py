@@ -14,9 +14,11 @@ import torch
 import rayzero
 from rayzero.checkpoint.format import CheckpointError
 from distributed import run_distributed
-from ray_cases import WORKER_PYTHONPATH, CONFIG, Regression, cpu_fit, model_factory, mse
+from ray_cases import CONFIG, Regression, cpu_fit, model_factory, mse
+import shared_ray
 
 ray = pytest.importorskip("ray")
+SHARED_RAY = True  # runs on the suite's one local cluster (tests/shared_ray.py)
 STEPS, EVERY = 6, 2
 DETERMINISTIC = {**CONFIG, "deterministic": True}
 LEAVE = 256 << 10  # bytes the filler leaves free: less than a save's 1 MiB headroom, room for the metrics lines
@@ -24,9 +26,7 @@ LEAVE = 256 << 10  # bytes the filler leaves free: less than a save's 1 MiB head
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
-    yield
-    ray.shutdown()
+    yield shared_ray.start()  # the suite's one cluster (tests/shared_ray.py)
 
 
 class FillOnce:

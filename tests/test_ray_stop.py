@@ -17,17 +17,17 @@ import torch
 
 from distributed import run_distributed
 from ray_cases import WORKER_PYTHONPATH, cpu_fit
+import shared_ray
 
 ray = pytest.importorskip("ray")
+SHARED_RAY = True  # runs on the suite's one local cluster (tests/shared_ray.py)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 STEPS = 30  # at 0.1 s a step (ray_stop_driver.py) a stop half a second after the first step lands mid-run
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
-    yield
-    ray.shutdown()
+    yield shared_ray.start()  # the suite's one cluster (tests/shared_ray.py)
 
 
 def _driver(storage: str, name: str, *extra: str) -> subprocess.Popen:

@@ -15,9 +15,11 @@ import torch
 import rayzero
 from distributed import run_distributed
 from rayzero.cli import build_parser
-from ray_cases import WORKER_PYTHONPATH, model_factory, mse, tune_stream
+from ray_cases import model_factory, mse, tune_stream
+import shared_ray
 
 ray = pytest.importorskip("ray")
+SHARED_RAY = True  # runs on the suite's one local cluster (tests/shared_ray.py)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 CONFIG = {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 6, "zero_optimization": {"stage": 2},
@@ -44,45 +46,42 @@ def _step_with(rank, world, path):
 
 
 def test_tune_runs_trials_on_the_cluster_and_writes_a_config_initialize_takes(tmp_path):
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": WORKER_PYTHONPATH}})
-    try:
-        before_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "rayzero-tune-*")))
-        before_actors = _alive_actor_classes()
-        out = tmp_path / "best.json"
-        lines: list[str] = []
-        result = rayzero.tune(model_factory, {"workers": 2}, config=CONFIG, data=tune_stream, loss_fn=mse,
-                              steps=3, warmup=1, stages=[1, 2], micro_batches=[3, 6], bucket_factors=(1.0,),
-                              confirm=0, out=str(out), progress=lines.append)
-        assert result.grid_size == 4
-        # the search: the start (stage 2, micro 6, derived buckets), stage 1, micro-batch 3 (which bucket factors
-        # and the confirming reruns add is tests/test_tune_search.py's, without a cluster)
-        ran = [t for t in result.trials if t.status != "skipped"]
-        assert len(ran) == 3 < result.grid_size
-        failed = [t for t in ran if t.status == "failed"]
-        assert [t.point["micro_batch"] for t in failed] == [3]
-        assert "micro-batch 3 is refused" in failed[0].note
-        ok = [t for t in ran if t.status == "ok"]
-        assert len(ok) == 2 and all(0 < t.step_s < 5 for t in ok)
-        assert len({tuple(t.point.values()) for t in ok}) == 2
-        assert result.best.step_s == min(t.step_s for t in ok)
-        # progress: one line per trial as it ends, then the table
-        assert sum("[rayzero tune] trial " in line for line in lines) == 3
-        assert any("| best |" in line for line in lines)
-        # the file is the user's config with the tuned keys; the global batch is the user's
-        written = json.loads(out.read_text())
-        assert written == result.best_config
-        assert written["train_batch_size"] == 12 and written["optimizer"] == CONFIG["optimizer"]
-        assert written["train_micro_batch_size_per_gpu"] * written["gradient_accumulation_steps"] * 2 == 12
-        assert written["zero_optimization"]["stage"] == result.best.point["stage"]
-        # nothing left behind: no trial directory, no trial's workers or controller
-        assert set(glob.glob(os.path.join(tempfile.gettempdir(), "rayzero-tune-*"))) == before_dirs
-        # (the coordinator Ray Train starts once per cluster stays; rayzero's node agents are gone)
-        singletons = {"_AutoscalingCoordinatorActor"}
-        alive = _alive_actor_classes()
-        assert [c for c in alive if c not in before_actors and c not in singletons] == []
-        assert all(alive.count(c) <= 1 for c in singletons) and "NodeAgent" not in alive
-    finally:
-        ray.shutdown()
+    shared_ray.start()  # the suite's one cluster (tests/shared_ray.py)
+    before_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "rayzero-tune-*")))
+    before_actors = _alive_actor_classes()
+    out = tmp_path / "best.json"
+    lines: list[str] = []
+    result = rayzero.tune(model_factory, {"workers": 2}, config=CONFIG, data=tune_stream, loss_fn=mse,
+                          steps=3, warmup=1, stages=[1, 2], micro_batches=[3, 6], bucket_factors=(1.0,),
+                          confirm=0, out=str(out), progress=lines.append)
+    assert result.grid_size == 4
+    # the search: the start (stage 2, micro 6, derived buckets), stage 1, micro-batch 3 (which bucket factors
+    # and the confirming reruns add is tests/test_tune_search.py's, without a cluster)
+    ran = [t for t in result.trials if t.status != "skipped"]
+    assert len(ran) == 3 < result.grid_size
+    failed = [t for t in ran if t.status == "failed"]
+    assert [t.point["micro_batch"] for t in failed] == [3]
+    assert "micro-batch 3 is refused" in failed[0].note
+    ok = [t for t in ran if t.status == "ok"]
+    assert len(ok) == 2 and all(0 < t.step_s < 5 for t in ok)
+    assert len({tuple(t.point.values()) for t in ok}) == 2
+    assert result.best.step_s == min(t.step_s for t in ok)
+    # progress: one line per trial as it ends, then the table
+    assert sum("[rayzero tune] trial " in line for line in lines) == 3
+    assert any("| best |" in line for line in lines)
+    # the file is the user's config with the tuned keys; the global batch is the user's
+    written = json.loads(out.read_text())
+    assert written == result.best_config
+    assert written["train_batch_size"] == 12 and written["optimizer"] == CONFIG["optimizer"]
+    assert written["train_micro_batch_size_per_gpu"] * written["gradient_accumulation_steps"] * 2 == 12
+    assert written["zero_optimization"]["stage"] == result.best.point["stage"]
+    # nothing left behind: no trial directory, no trial's workers or controller
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "rayzero-tune-*"))) == before_dirs
+    # (the coordinator Ray Train starts once per cluster stays; rayzero's node agents are gone)
+    singletons = {"_AutoscalingCoordinatorActor"}
+    alive = _alive_actor_classes()
+    assert [c for c in alive if c not in before_actors and c not in singletons] == []
+    assert all(alive.count(c) <= 1 for c in singletons) and "NodeAgent" not in alive
     # and so does initialize, on 2 ranks
     got = run_distributed(_step_with, 2, str(out))
     stage, bucket = result.best.point["stage"], result.best.point["bucket"]
@@ -90,6 +89,7 @@ def test_tune_runs_trials_on_the_cluster_and_writes_a_config_initialize_takes(tm
 
 
 def test_tune_command_line(tmp_path):
+    shared_ray.stop()  # the command starts a cluster of its own, as a user's would (this module runs last)
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(CONFIG))
     out = tmp_path / "tuned.json"
