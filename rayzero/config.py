@@ -485,7 +485,8 @@ def _activation_checkpointing_off(value: Any) -> bool:
     """DeepSpeed's activation_checkpointing section configures deepspeed.checkpointing, which only a model
     that calls it uses; with every switch off and no checkpoint count it asks for nothing."""
     return (isinstance(value, Mapping) and set(value) <= {*_AC_FLAGS, "number_checkpoints"}
-            and all(value.get(k, False) is False for k in _AC_FLAGS) and value.get("number_checkpoints") is None)
+            and all(value.get(k, False) is False for k in _AC_FLAGS)
+            and value.get("number_checkpoints") in (None, False))
 
 
 def _checkpoint_inert(value: Any) -> bool:
