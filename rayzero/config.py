@@ -398,6 +398,20 @@ class ExpertParallelConfig(_Section):
     """`expert_parallel` (DeepSpeed's AutoEP keys): spread each MoE layer's experts over `autoep_size` ranks."""
 
     _path: ClassVar[str] = "expert_parallel"
+    _not_supported: ClassVar[Mapping[str, str]] = dict.fromkeys(
+        ("moe_layer_pattern", "router_pattern", "expert_pattern", "score_func", "score_apply", "route_norm",
+         "route_scale", "top_k", "routed_scaling_factor", "num_expert_groups", "num_limited_groups", "expert_w1",
+         "expert_w2", "expert_w3", "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern"),
+        "AutoEP's description of a custom MoE model; rayzero finds the experts of the preset models itself, or "
+        "use rayzero.moe.MoE in your own model",
+    )
+    _inert: ClassVar[Mapping[str, Inert]] = {
+        "expert_tensor_parallel_size": inert_at(1, why="experts are not tensor-parallel",
+                                                refuse="tensor parallelism inside the experts"),
+        "use_grouped_mm": Inert(why=f"{_TUNING}: how the experts' matmuls are batched"),
+        "disable_triton_grouped_mm": Inert(why=f"{_TUNING}: how the experts' matmuls are batched"),
+        "load_balance_coeff": inert_at(None, why="off", refuse="auxiliary-loss-free load balancing"),
+    }
 
     enabled: bool = False
     autoep_size: int = 1
@@ -422,6 +436,13 @@ class TensorParallelConfig(_Section):
     tp_plan (or `tp_plan`, module-name patterns -> colwise / rowwise / packed_colwise)."""
 
     _path: ClassVar[str] = "tensor_parallel"
+    _not_supported: ClassVar[Mapping[str, str]] = {
+        "preset_model": "AutoTP's model presets; rayzero reads the model's Hugging Face tp_plan, or write tp_plan",
+        "partition_config": "AutoTP's layer specs; write rayzero's tp_plan (module-name patterns -> colwise / rowwise)",
+    }
+    _inert: ClassVar[Mapping[str, Inert]] = {
+        "tp_overlap_comm": inert_at(False, why="off", refuse="overlapping the TP all-reduce with compute"),
+    }
 
     autotp_size: int = 1
     tp_plan: dict | None = None
@@ -532,12 +553,15 @@ _TOP_INERT = {
     "activation_checkpointing": Inert(
         why="every switch off", when=_activation_checkpointing_off,
         refuse="deepspeed.checkpointing's activation partitioning, offload and counts; checkpoint blocks with "
-               "torch.utils.checkpoint in the model"),
+               "torch.utils.checkpoint in the model",
+        fix="set its switches to false (number_checkpoints null) or remove the section"),
     "checkpoint": Inert(
         why="rayzero checkpoints load at any world size", when=_checkpoint_inert,
-        refuse="node-local checkpoint storage or pipeline-parallel writes"),
+        refuse="node-local checkpoint storage or pipeline-parallel writes",
+        fix="set use_node_local_storage and parallel_write.pipeline_stage to false, or remove them"),
     "data_types": Inert(why="gradients accumulate in fp32", when=_data_types_inert,
-                        refuse="gradient accumulation in a 16-bit dtype"),
+                        refuse="gradient accumulation in a 16-bit dtype",
+                        fix='set grad_accum_dtype to "fp32" or remove the section'),
     "flops_profiler": inert_when_disabled("the flops profiler"),
     "comms_logger": inert_when_disabled("the communication logger"),
     "comet": inert_when_disabled("the Comet monitor; use tensorboard, wandb or csv_monitor"),

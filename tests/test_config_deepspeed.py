@@ -7,9 +7,11 @@ examples of the Hugging Face Transformers DeepSpeed guide."""
 
 from __future__ import annotations
 
-import copy
 import csv
+import filecmp
 import logging
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -322,3 +324,16 @@ def test_monitor_sinks_rank0_only_and_missing_packages_said_once(tmp_path, caplo
     monitor.write([("Train/Samples/lr", 0.25, 6)])
     assert _read_csv(tmp_path / "DeepSpeedJobName" / "Train_Samples_lr.csv") == [
         ["step", "lr"], ["3", "0.5"], ["6", "0.25"]]
+
+
+def test_csv_files_are_deepspeeds_bytes(tmp_path):
+    """The same events give the same files as DeepSpeed's csv_monitor (tests/data/deepspeed_csv_monitor)."""
+    data = Path(__file__).parent / "data" / "deepspeed_csv_monitor"
+    events = runpy.run_path(str(data / "regenerate.py"))["EVENTS"]
+    sink = rayzero.monitor.CSVSink(str(tmp_path), "job")
+    for batch in events:
+        sink.write(batch)
+    names = sorted(p.name for p in (data / "job").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "job").iterdir()) and len(names) == 3
+    for name in names:
+        assert filecmp.cmp(data / "job" / name, tmp_path / "job" / name, shallow=False), name
