@@ -490,11 +490,17 @@ class BatchPlan:
 
 
 _TOP_NOT_SUPPORTED = {
-    key: ""
-    for key in (
-        "moe", "compression_training", "pipeline", "sparse_attention", "fp8", "graph_harvesting", "compile",
-        "quantize_training", "weight_quantization", "timers", "zero_optimization_stage",
-    )
+    "moe": "DeepSpeed's older MoE section; use expert_parallel",
+    "compression_training": "DeepSpeed's compression library",
+    "pipeline": "pipeline parallelism",
+    "sparse_attention": "sparse attention kernels",
+    "fp8": "fp8 training",
+    "graph_harvesting": "graph harvesting",
+    "compile": "DeepCompile; see graph_capture",
+    "quantize_training": "quantization-aware training",
+    "weight_quantization": "weight quantization",
+    "timers": "DeepSpeed's throughput timers; wall_clock_breakdown times the step",
+    "zero_optimization_stage": "write zero_optimization.stage",
 }
 
 
