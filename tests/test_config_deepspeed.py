@@ -337,3 +337,42 @@ def test_csv_files_are_deepspeeds_bytes(tmp_path):
     assert names == sorted(p.name for p in (tmp_path / "job").iterdir()) and len(names) == 3
     for name in names:
         assert filecmp.cmp(data / "job" / name, tmp_path / "job" / name, shallow=False), name
+
+
+def test_lr_events_match_a_deepspeed_engine(tmp_path, monkeypatch):
+    """Where DeepSpeed is installed: its engine and rayzero's, on the same model and config, write the same
+    Train/Samples/lr file (DeepSpeed 0.19 writes no train_loss)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    deepspeed = pytest.importorskip("deepspeed")
+    import torch.distributed as dist
+
+    def run(which: str) -> list[list[str]]:
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+               "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+               "csv_monitor": {"enabled": True, "output_path": str(tmp_path / which), "job_name": "job"}}
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        if which == "deepspeed":
+            cfg["optimizer"]["params"]["torch_adam"] = True
+            for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                                   MASTER_PORT="29535").items():
+                monkeypatch.setenv(key, value)
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        else:
+            engine = rayzero.initialize(model, cfg)
+        torch.manual_seed(1)
+        data, target = torch.randn(8, 2, 4), torch.randn(8, 2, 1)
+        for i in range(8):
+            engine.backward(torch.nn.functional.mse_loss(engine(data[i]), target[i]))
+            engine.step()
+        if which == "rayzero":
+            engine.destroy()
+        return _read_csv(tmp_path / which / "job" / "Train_Samples_lr.csv")
+
+    try:
+        ours = run("rayzero")
+        theirs = run("deepspeed")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert ours == theirs == [["step", "lr"], ["4", "0.01"], ["8", "0.01"], ["12", "0.01"], ["16", "0.01"]]
