@@ -378,7 +378,7 @@ class Engine:
         self._check_alive()
         self.publisher.finish()
         if self.monitor is not None:
-            self.monitor.record_loss(loss, self.gradient_accumulation_steps)
+            self.monitor.record_loss(loss, self.gradient_accumulation_steps, self.global_steps)
         self.reducer.reduce_now = self.reducer.stage >= 2 or self.is_gradient_accumulation_boundary()
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss

@@ -102,11 +102,16 @@ class Monitor:
     def __init__(self, sinks: list[Any]):
         self.sinks = sinks
         self._loss: torch.Tensor | None = None
+        self._window = -1  # the optimizer step whose window _loss belongs to
 
-    def record_loss(self, loss: torch.Tensor, accumulation_steps: int) -> None:
-        """One micro-step's loss (before any scaling); read on the host only at the boundary."""
+    def record_loss(self, loss: torch.Tensor, accumulation_steps: int, step: int) -> None:
+        """One micro-step's loss (before any scaling) in the window of optimizer step ``step`` (a window
+        that ended in an error is dropped); read on the host only at the boundary."""
         part = loss.detach().float().mean() / accumulation_steps
-        self._loss = part if self._loss is None else self._loss + part
+        if self._loss is None or step != self._window:
+            self._loss, self._window = part, step
+        else:
+            self._loss = self._loss + part
 
     def after_step(self, engine: Any) -> None:
         """The events of the optimizer step just taken (or skipped) by ``engine``."""

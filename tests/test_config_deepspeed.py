@@ -288,6 +288,18 @@ def test_csv_monitor_writes_the_engines_losses_and_lrs(tmp_path):
         losses.append(loss.item())
         if i % 2 == 1:  # a boundary: the step was taken
             lrs.append(engine.get_lr()[0])
+    # a window that ends in a non-finite gradient error writes nothing; the next window's loss is its own
+    engine.backward(torch.nn.functional.mse_loss(engine(data[0]), target[0]))
+    engine.step()
+    engine.backward(torch.nn.functional.mse_loss(engine(data[1]), target[1]) * float("inf"))
+    with pytest.raises(rayzero.NonFiniteGradientError):
+        engine.step()
+    for i in range(2):
+        loss = torch.nn.functional.mse_loss(engine(data[i]), target[i])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    lrs.append(engine.get_lr()[0])
     engine.destroy()
 
     log_dir = tmp_path / "run1"
@@ -296,9 +308,9 @@ def test_csv_monitor_writes_the_engines_losses_and_lrs(tmp_path):
     lr_rows = _read_csv(log_dir / "Train_Samples_lr.csv")
     assert loss_rows[0] == ["step", "train_loss"] and lr_rows[0] == ["step", "lr"]
     # x-axis: samples trained (train_batch_size 4 per step); the loss before the step, the lr after it
-    assert [int(r[0]) for r in loss_rows[1:]] == [0, 4, 8, 12]
-    assert [int(r[0]) for r in lr_rows[1:]] == [4, 8, 12, 16]
-    want = [(losses[2 * k] + losses[2 * k + 1]) / 2 for k in range(4)]
+    assert [int(r[0]) for r in loss_rows[1:]] == [0, 4, 8, 12, 16]
+    assert [int(r[0]) for r in lr_rows[1:]] == [4, 8, 12, 16, 20]
+    want = [(losses[2 * k] + losses[2 * k + 1]) / 2 for k in range(5)]
     assert [float(r[1]) for r in loss_rows[1:]] == pytest.approx(want, rel=1e-6)
     assert [float(r[1]) for r in lr_rows[1:]] == pytest.approx(lrs, rel=1e-12)
     assert len(set(lrs)) > 1  # the schedule moved: the rows follow it
