@@ -436,9 +436,9 @@ class Engine:
         self.micro_steps += 1
         self.global_samples += self.batch.train_batch_size
         self._timings["step"] += self._clock() - start
-        self._report()
         if self.monitor is not None:
             self.monitor.after_step(self)
+        self._report()
 
     def _clock(self) -> float:
         """Wall-clock time for wall_clock_breakdown: the device's queued work is waited for first, so a

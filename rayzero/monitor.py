@@ -8,7 +8,10 @@ trained as the x-axis:
   the step.  DeepSpeed wrote this event from its backward until 0.18; 0.19 writes no loss event.
 - ``Train/Samples/lr``: after each optimizer step, the first param group's learning rate (the scheduler has
   stepped), at the samples trained after the step;
-- ``Train/Samples/loss_scale``: the same with fp16, the loss scale after the step.
+- ``Train/Samples/loss_scale``: the same with fp16, the loss scale after the step;
+- with ``wall_clock_breakdown``, ``Train/Samples/elapsed_time_ms_forward`` / ``_backward`` / ``_step``: the
+  milliseconds the step's accumulation window spent in each (DeepSpeed also splits the backward into
+  ``_backward_inner`` and ``_backward_allreduce``; rayzero reduces inside the backward and does not).
 
 Sinks: CSV files (no package needed) in DeepSpeed's layout, ``<output_path>/<job_name>/<event name with / and
 spaces as _>.csv``, a ``step,<last part of the name>`` header once per process, then ``step,value`` rows,
@@ -103,6 +106,7 @@ class Monitor:
         self.sinks = sinks
         self._loss: torch.Tensor | None = None
         self._window = -1  # the optimizer step whose window _loss belongs to
+        self._timed: dict[str, float] = {}  # engine._timings when last read (seconds since its last report)
 
     def record_loss(self, loss: torch.Tensor, accumulation_steps: int, step: int) -> None:
         """One micro-step's loss (before any scaling) in the window of optimizer step ``step`` (a window
@@ -124,6 +128,13 @@ class Monitor:
         events.append(("Train/Samples/lr", engine.get_lr()[0], samples))
         if engine.config.fp16.enabled:
             events.append(("Train/Samples/loss_scale", float(engine.loss_scale), samples))
+        if engine.config.wall_clock_breakdown:
+            for phase, seconds in engine._timings.items():
+                window = seconds - self._timed.get(phase, 0.0)
+                events.append((f"Train/Samples/elapsed_time_ms_{phase}", 1000.0 * window, samples))
+            every = engine.config.steps_per_print
+            # the engine's report after this step starts its sums again
+            self._timed = {} if every and engine.global_steps % every == 0 else dict(engine._timings)
         self.write(events)
 
     def write(self, events: list[Event]) -> None:

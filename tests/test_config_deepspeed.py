@@ -266,7 +266,7 @@ def _read_csv(path) -> list[list[str]]:
         return list(csv.reader(f))
 
 
-def test_csv_monitor_writes_the_engines_losses_and_lrs(tmp_path):
+def test_csv_monitor_writes_the_engines_losses_and_lrs(tmp_path, caplog):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     cfg = {
@@ -276,7 +276,9 @@ def test_csv_monitor_writes_the_engines_losses_and_lrs(tmp_path):
                                                      "warmup_num_steps": 3, "warmup_type": "linear"}},
         "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run1"},
         "tensorboard": {"enabled": False},
+        "wall_clock_breakdown": True, "steps_per_print": 2,
     }
+    caplog.set_level(logging.INFO, logger="rayzero")
     engine = rayzero.initialize(model, cfg)
     data = torch.randn(8, 2, 4)
     target = torch.randn(8, 2, 1)
@@ -303,7 +305,8 @@ def test_csv_monitor_writes_the_engines_losses_and_lrs(tmp_path):
     engine.destroy()
 
     log_dir = tmp_path / "run1"
-    assert sorted(p.name for p in log_dir.iterdir()) == ["Train_Samples_lr.csv", "Train_Samples_train_loss.csv"]
+    timed = [f"Train_Samples_elapsed_time_ms_{k}.csv" for k in ("backward", "forward", "step")]
+    assert sorted(p.name for p in log_dir.iterdir()) == [*timed, "Train_Samples_lr.csv", "Train_Samples_train_loss.csv"]
     loss_rows = _read_csv(log_dir / "Train_Samples_train_loss.csv")
     lr_rows = _read_csv(log_dir / "Train_Samples_lr.csv")
     assert loss_rows[0] == ["step", "train_loss"] and lr_rows[0] == ["step", "lr"]
@@ -314,6 +317,16 @@ def test_csv_monitor_writes_the_engines_losses_and_lrs(tmp_path):
     assert [float(r[1]) for r in loss_rows[1:]] == pytest.approx(want, rel=1e-6)
     assert [float(r[1]) for r in lr_rows[1:]] == pytest.approx(lrs, rel=1e-12)
     assert len(set(lrs)) > 1  # the schedule moved: the rows follow it
+
+    # each window's milliseconds: the engine's own log (every 2 steps, the mean per step over them) agrees.
+    # Rows are steps 1, 2, 3, 4 and 6; the window that ended in the error (step 5) counts with step 6's.
+    reports = [r.getMessage() for r in caplog.records if "ms/step" in r.getMessage()]
+    assert [m.split(":")[0] for m in reports] == ["step 2", "step 4", "step 6"]
+    for phase in ("forward", "backward", "step"):
+        rows = [float(r[1]) for r in _read_csv(log_dir / f"Train_Samples_elapsed_time_ms_{phase}.csv")[1:]]
+        assert len(rows) == 5 and all(v > 0 for v in rows)
+        logged = [float(m.split(f" {phase} ")[1].split(",")[0]) for m in reports]
+        assert [(rows[0] + rows[1]) / 2, (rows[2] + rows[3]) / 2, rows[4] / 2] == pytest.approx(logged, abs=0.051)
 
 
 def test_monitor_sinks_rank0_only_and_missing_packages_said_once(tmp_path, caplog, monkeypatch):
