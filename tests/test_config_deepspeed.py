@@ -401,3 +401,26 @@ def test_lr_events_match_a_deepspeed_engine(tmp_path, monkeypatch):
         if dist.is_initialized():
             dist.destroy_process_group()
     assert ours == theirs == [["step", "lr"], ["4", "0.01"], ["8", "0.01"], ["12", "0.01"], ["16", "0.01"]]
+
+
+def test_tensorboard_events_where_tensorboard_is_installed(tmp_path):
+    """Where the tensorboard package is installed: the same events as the csv sink, read back from the event
+    files (float32 in TensorBoard)."""
+    ea = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    sinks = {"output_path": str(tmp_path), "job_name": "job"}
+    engine = rayzero.initialize(model, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                        "tensorboard": {"enabled": True, **sinks},
+                                        "csv_monitor": {"enabled": True, **sinks, "job_name": "csv"}})
+    for _ in range(4):
+        engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+        engine.step()
+    engine.destroy()
+    acc = ea.EventAccumulator(str(tmp_path / "job"))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["Train/Samples/lr", "Train/Samples/train_loss"]
+    for tag in acc.Tags()["scalars"]:
+        rows = _read_csv(tmp_path / "csv" / (tag.replace("/", "_") + ".csv"))[1:]
+        assert [e.step for e in acc.Scalars(tag)] == [int(r[0]) for r in rows]
+        assert [e.value for e in acc.Scalars(tag)] == pytest.approx([float(r[1]) for r in rows], rel=1e-6)
