@@ -1,8 +1,10 @@
 """Typed training config that reads DeepSpeed-style JSON/YAML as written.
 
-Every key is either understood, explicitly rejected as "not supported yet" (DeepSpeed features rayzero
-has not built), or reported as unknown with the closest known key. Nothing is silently ignored: a
-config that trains under DeepSpeed either trains the same way here or fails before any worker starts.
+Every DeepSpeed key is understood, accepted because it has no effect at its value (a switch that is off,
+a tuning hint rayzero does not need: one warning per load names them all with their values), or
+rejected as "not supported yet" with the reason; any other key is reported as unknown with the closest
+known key.  All the problems of a config are reported in one error.  A config that trains under
+DeepSpeed either trains the same way here or fails before any worker starts.
 
     cfg = Config.from_any("ds_config.json")
     plan = cfg.resolve_batch(world_size=8)
@@ -21,50 +23,82 @@ from typing import Any, ClassVar
 import torch
 
 
-from rayzero.config_schema import ConfigError, NotSupportedYetError, _Section, did_you_mean
+from rayzero.config_schema import (
+    ConfigError,
+    Inert,
+    NotSupportedYetError,
+    _Section,
+    did_you_mean,
+    inert_at,
+    inert_when_disabled,
+    note_inert,
+)
 
 __all__ = [  # the public names, including those defined in rayzero.config_schema
-    "AioConfig", "BatchPlan", "BF16Config", "Config", "ConfigError", "ExpertParallelConfig", "FP16Config",
-    "GraphCaptureConfig", "NotSupportedYetError", "OffloadOptimizerConfig", "OffloadParamConfig",
-    "OptimizerConfig", "SchedulerConfig", "TensorParallelConfig", "ZeroConfig", "did_you_mean",
+    "AioConfig", "BatchPlan", "BF16Config", "Config", "ConfigError", "CSVMonitorConfig", "ExpertParallelConfig",
+    "FP16Config", "GraphCaptureConfig", "NotSupportedYetError", "OffloadOptimizerConfig", "OffloadParamConfig",
+    "OptimizerConfig", "SchedulerConfig", "TensorBoardConfig", "TensorParallelConfig", "WandbConfig", "ZeroConfig",
+    "did_you_mean",
 ]
 
 
 _ZERO_NOT_SUPPORTED = {
-    "cpu_offload": "an old spelling: write \"offload_optimizer\": {\"device\": \"cpu\"}",
-    "cpu_offload_param": "an old spelling: write \"offload_param\": {\"device\": \"cpu\"}",
-    "cpu_offload_use_pin_memory": "an old spelling: write \"pin_memory\" inside offload_optimizer / offload_param",
-    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
-    "zero_quantized_weights": "ZeRO++ quantized weights",
-    "zero_quantized_nontrainable_weights": "ZeRO++ quantized weights",
-    "zero_quantized_gradients": "ZeRO++ quantized gradients",
-    "zeropp_loco_param": "ZeRO++ LoCo",
-    "mics_shard_size": "MiCS",
-    "mics_hierarchical_params_gather": "MiCS",
-    "stage3_max_live_parameters": "",
-    "max_live_parameters": "",
-    "stage3_max_reuse_distance": "",
-    "max_reuse_distance": "",
-    "stage3_model_persistence_threshold": "",
-    "model_persistence_threshold": "",
-    "stage3_gather_16bit_weights_on_model_save": "",
-    "stage3_gather_fp16_weights_on_model_save": "",
-    "gather_16bit_weights_on_model_save": "",
-    "stage3_module_granularity_threshold": "",
-    "module_granularity_threshold": "",
-    "stage3_use_all_reduce_for_fetch_params": "",
-    "use_all_reduce_for_fetch_params": "",
-    "round_robin_gradients": "",
-    "elastic_checkpoint": "DeepSpeed's elastic checkpoint; rayzero checkpoints are universal already",
-    "ignore_unused_parameters": "",
-    "load_from_fp32_weights": "",
-    "legacy_stage1": "",
-    "memory_efficient_linear": "",
-    "pipeline_loading_checkpoint": "",
-    "override_module_apply": "",
-    "use_multi_rank_bucket_allreduce": "",
-    "log_trace_cache_warnings": "",
+    "zenflow": "ZenFlow",
+    "leaf_module": "DeepSpeed's stage-3 leaf modules; rayzero's gather units are set by stage3_gather_unit",
 }
+
+_TUNING = "a tuning hint rayzero does not need"
+_STAGE3_HINT = (f"{_TUNING}: stage 3 frees each gather unit after use and reads ahead by "
+                "stage3_prefetch_bucket_size")
+
+# DeepSpeed's zero_optimization keys that have no effect in rayzero (at any value, or at the value shown).
+_ZERO_INERT = {
+    **dict.fromkeys(("stage3_max_live_parameters", "max_live_parameters", "stage3_max_reuse_distance",
+                     "max_reuse_distance"), Inert(why=_STAGE3_HINT)),
+    **dict.fromkeys(("stage3_model_persistence_threshold", "model_persistence_threshold"),
+                    Inert(why=f"{_TUNING}: stage 3 keeps parameters whole by stage3_param_persistence_threshold")),
+    **dict.fromkeys(("stage3_module_granularity_threshold", "module_granularity_threshold"),
+                    Inert(why=f"{_TUNING}: stage 3's gather units are set by stage3_gather_unit")),
+    **dict.fromkeys(("stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
+                     "stage3_allgather_sequential", "allgather_sequential"),
+                    Inert(why=f"{_TUNING}: stage 3 always gathers with one all-gather per unit")),
+    "round_robin_gradients": Inert(why=f"{_TUNING}: how offloaded gradients are copied to the host"),
+    "use_multi_rank_bucket_allreduce": Inert(why=f"{_TUNING}: how buckets are all-reduced"),
+    "memory_efficient_linear": Inert(why="DeepSpeed's stage-3 linear layer, which rayzero does not use"),
+    "override_module_apply": Inert(why="DeepSpeed's Module.apply hook under zero.Init"),
+    "log_trace_cache_warnings": Inert(why="DeepSpeed's stage-3 trace cache, which rayzero does not have"),
+    "save_muon_momentum_buffer_in_memory": Inert(why="read only with the Muon optimizer"),
+    "elastic_checkpoint": Inert(why="rayzero checkpoints load at any world size whatever it says"),
+    "ignore_unused_parameters": inert_at(True, why="DeepSpeed's default",
+                                         refuse="an error for parameters that get no gradient"),
+    "load_from_fp32_weights": inert_at(True, why="rayzero checkpoints hold the fp32 masters and load them",
+                                       refuse="rebuilding the fp32 masters from the 16-bit weights on load"),
+    "grad_hooks": inert_at(True, why="gradients are reduced from backward hooks",
+                           refuse="reducing gradients only after the whole backward"),
+    "legacy_stage1": inert_at(False, why="off", refuse="DeepSpeed's legacy stage 1"),
+    "pipeline_loading_checkpoint": inert_at(False, why="off", refuse="loading checkpoints into pipeline stages"),
+    "enable_sanity_checks": inert_at(False, why="off", refuse="DeepSpeed's stage-3 sanity checks"),
+    "zero_hpz_partition_size": inert_at(1, why="1 means no hierarchical partitioning",
+                                        refuse="ZeRO++ hierarchical partitioning"),
+    "zero_quantized_weights": inert_at(False, why="off", refuse="ZeRO++ quantized weights"),
+    "zero_quantized_nontrainable_weights": inert_at(False, why="off", refuse="ZeRO++ quantized weights"),
+    "zero_quantized_gradients": inert_at(False, why="off", refuse="ZeRO++ quantized gradients"),
+    "zeropp_loco_param": inert_at(None, why="off", refuse="ZeRO++ LoCo"),
+    "mics_shard_size": inert_at(-1, why="-1 means MiCS is off", refuse="MiCS"),
+    "mics_hierarchical_params_gather": inert_at(False, why="off", refuse="MiCS"),
+    # read by _translate when true; false (DeepSpeed's default) is off
+    "cpu_offload": inert_at(False, why="off"),
+    "cpu_offload_param": inert_at(False, why="off"),
+    "cpu_offload_use_pin_memory": inert_at(False, why="off"),
+}
+
+# DeepSpeed's older offload switches -> (the section they turn on, its keys)
+_ZERO_OLD_OFFLOAD = {
+    "cpu_offload": ("offload_optimizer", {"device": "cpu"}),
+    "cpu_offload_param": ("offload_param", {"device": "cpu"}),
+}
+
+_NVME_PIPELINE = Inert(why=f"{_TUNING}: the NVMe swap always reads ahead while stepping")
 
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -84,9 +118,12 @@ class OffloadOptimizerConfig(_Section):
     """
 
     _path: ClassVar[str] = "zero_optimization.offload_optimizer"
-    _not_supported: ClassVar[Mapping[str, str]] = {
-        "ratio": "partial optimizer offload", "fast_init": "", "pipeline": "", "pipeline_read": "",
-        "pipeline_write": "",
+    _inert: ClassVar[Mapping[str, Inert]] = {
+        "ratio": inert_at(1, why="the whole optimizer state is offloaded", refuse="partial optimizer offload"),
+        "fast_init": Inert(why=f"{_TUNING}: how the NVMe swap files are first written"),
+        "pipeline": _NVME_PIPELINE, "pipeline_read": _NVME_PIPELINE, "pipeline_write": _NVME_PIPELINE,
+        "super_offload": inert_at(False, why="off", refuse="DeepSpeed's SuperOffload"),
+        "cpuadam_cores_perc": Inert(why="DeepSpeed's CPU Adam threads; rayzero steps torch's optimizer"),
     }
 
     device: str = "none"
@@ -114,7 +151,9 @@ class OffloadParamConfig(_Section):
     """`zero_optimization.offload_param` (stage 3): where the parameter partitions live between uses."""
 
     _path: ClassVar[str] = "zero_optimization.offload_param"
-    _not_supported: ClassVar[Mapping[str, str]] = {"pipeline": "", "pipeline_read": "", "pipeline_write": ""}
+    _inert: ClassVar[Mapping[str, Inert]] = {
+        "pipeline": _NVME_PIPELINE, "pipeline_read": _NVME_PIPELINE, "pipeline_write": _NVME_PIPELINE,
+    }
 
     device: str = "none"
     nvme_path: str | None = None
@@ -146,7 +185,7 @@ class AioConfig(_Section):
     """`aio`: how the NVMe swap store does its I/O (O_DIRECT, block-aligned, on a thread pool)."""
 
     _path: ClassVar[str] = "aio"
-    _not_supported: ClassVar[Mapping[str, str]] = {"use_gds": "GPUDirect Storage"}
+    _inert: ClassVar[Mapping[str, Inert]] = {"use_gds": inert_at(False, why="off", refuse="GPUDirect Storage")}
 
     block_size: int = 1_048_576
     queue_depth: int = 8
@@ -169,9 +208,12 @@ class ZeroConfig(_Section):
 
     _path: ClassVar[str] = "zero_optimization"
     _not_supported: ClassVar[Mapping[str, str]] = _ZERO_NOT_SUPPORTED
+    _inert: ClassVar[Mapping[str, Inert]] = _ZERO_INERT
     _aliases: ClassVar[Mapping[str, str]] = {
         "prefetch_bucket_size": "stage3_prefetch_bucket_size",
         "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     }
     _fixed: ClassVar[Mapping[str, tuple[Any, str]]] = {
         "reduce_scatter": (True, "rayzero always reduce-scatters gradients into their owners' partitions"),
@@ -200,6 +242,35 @@ class ZeroConfig(_Section):
     sub_group_size: int | None = None
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    # stage 3: save_16bit_model() gathers the partitioned weights and saves them whole (DeepSpeed's key)
+    stage3_gather_16bit_weights_on_model_save: bool = False
+
+    @classmethod
+    def _translate(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """DeepSpeed's older switches ``cpu_offload`` / ``cpu_offload_param`` (true) read as the offload
+        sections they stand for; ``cpu_offload_use_pin_memory`` (true) as ``pin_memory`` in both."""
+        pin = data.get("cpu_offload_use_pin_memory") is True
+        for old, (section, keys) in _ZERO_OLD_OFFLOAD.items():
+            if data.get(old) is not True:
+                continue
+            if section in data:
+                raise ConfigError(
+                    f"config keys 'zero_optimization.{old}' and 'zero_optimization.{section}' set the same "
+                    f"option; keep '{section}'"
+                )
+            del data[old]
+            data[section] = {**keys, **({"pin_memory": True} if pin else {})}
+        if pin:
+            targets = [s for s in ("offload_optimizer", "offload_param") if isinstance(data.get(s), Mapping)]
+            if not targets or any("pin_memory" in data[s] and data[s]["pin_memory"] is not True for s in targets):
+                raise ConfigError(
+                    "config key 'zero_optimization.cpu_offload_use_pin_memory' is true but no offload section "
+                    "takes it; write \"pin_memory\": true inside offload_optimizer / offload_param"
+                )
+            del data["cpu_offload_use_pin_memory"]
+            for s in targets:
+                data[s] = {**data[s], "pin_memory": True}
+        return data
 
     def _validate(self) -> None:
         self._check("stage", 0 <= self.stage <= 3, "ZeRO stage must be 0, 1, 2 or 3")
@@ -243,7 +314,9 @@ class OptimizerConfig(_Section):
     """`optimizer`: a torch optimizer by name; `params` go to its constructor as written."""
 
     _path: ClassVar[str] = "optimizer"
-    _not_supported: ClassVar[Mapping[str, str]] = {"legacy_fusion": ""}
+    _inert: ClassVar[Mapping[str, Inert]] = {
+        "legacy_fusion": inert_at(False, why="off", refuse="DeepSpeed's legacy fused optimizer"),
+    }
 
     type: str = "AdamW"
     params: dict = field(default_factory=dict)
@@ -275,10 +348,11 @@ class FP16Config(_Section):
     """`fp16`: fp16 compute with loss scaling (dynamic when loss_scale is 0)."""
 
     _path: ClassVar[str] = "fp16"
-    _not_supported: ClassVar[Mapping[str, str]] = {
-        "auto_cast": "autocast of module inputs",
-        "fp16_master_weights_and_grads": "",
-        "fp16_opt_level": "",
+    _not_supported: ClassVar[Mapping[str, str]] = {"fp16_opt_level": "NVIDIA Apex AMP's opt level"}
+    _inert: ClassVar[Mapping[str, Inert]] = {
+        "auto_cast": Inert(why="engine(x) casts floating-point inputs to the compute dtype either way"),
+        "fp16_master_weights_and_grads": inert_at(False, why="the masters and gradients are fp32",
+                                                  refuse="fp16 master weights and gradients"),
     }
 
     enabled: bool = False
@@ -305,11 +379,15 @@ class BF16Config(_Section):
     """`bf16`: bf16 compute, fp32 master weights; no loss scaling needed."""
 
     _path: ClassVar[str] = "bf16"
-    _not_supported: ClassVar[Mapping[str, str]] = {
-        "immediate_grad_update": "",
-        "check_grad_overflow": "",
-        "bf16_master_weights_and_grads": "",
-        "bf16_optimizer_states": "",
+    _inert: ClassVar[Mapping[str, Inert]] = {
+        "immediate_grad_update": inert_at(False, why="off", refuse="DeepSpeed's immediate bf16 gradient update"),
+        "check_grad_overflow": Inert(why="rayzero checks the global gradient norm every step (nonfinite_grad)"),
+        "bf16_master_weights_and_grads": inert_at(False, why="the masters and gradients are fp32",
+                                                  refuse="bf16 master weights and gradients"),
+        "bf16_optimizer_states": inert_at(False, why="the optimizer state is fp32", refuse="bf16 optimizer states"),
+        # fp16's loss-scaling keys, often left in a config switched from fp16 to bf16
+        **dict.fromkeys(("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                         "consecutive_hysteresis", "min_loss_scale"), Inert(why="bf16 uses no loss scaling")),
     }
 
     enabled: bool = False
@@ -320,6 +398,20 @@ class ExpertParallelConfig(_Section):
     """`expert_parallel` (DeepSpeed's AutoEP keys): spread each MoE layer's experts over `autoep_size` ranks."""
 
     _path: ClassVar[str] = "expert_parallel"
+    _not_supported: ClassVar[Mapping[str, str]] = dict.fromkeys(
+        ("moe_layer_pattern", "router_pattern", "expert_pattern", "score_func", "score_apply", "route_norm",
+         "route_scale", "top_k", "routed_scaling_factor", "num_expert_groups", "num_limited_groups", "expert_w1",
+         "expert_w2", "expert_w3", "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern"),
+        "AutoEP's description of a custom MoE model; rayzero finds the experts of the preset models itself, or "
+        "use rayzero.moe.MoE in your own model",
+    )
+    _inert: ClassVar[Mapping[str, Inert]] = {
+        "expert_tensor_parallel_size": inert_at(1, why="experts are not tensor-parallel",
+                                                refuse="tensor parallelism inside the experts"),
+        "use_grouped_mm": Inert(why=f"{_TUNING}: how the experts' matmuls are batched"),
+        "disable_triton_grouped_mm": Inert(why=f"{_TUNING}: how the experts' matmuls are batched"),
+        "load_balance_coeff": inert_at(None, why="off", refuse="auxiliary-loss-free load balancing"),
+    }
 
     enabled: bool = False
     autoep_size: int = 1
@@ -344,6 +436,13 @@ class TensorParallelConfig(_Section):
     tp_plan (or `tp_plan`, module-name patterns -> colwise / rowwise / packed_colwise)."""
 
     _path: ClassVar[str] = "tensor_parallel"
+    _not_supported: ClassVar[Mapping[str, str]] = {
+        "preset_model": "AutoTP's model presets; rayzero reads the model's Hugging Face tp_plan, or write tp_plan",
+        "partition_config": "AutoTP's layer specs; write rayzero's tp_plan (module-name patterns -> colwise / rowwise)",
+    }
+    _inert: ClassVar[Mapping[str, Inert]] = {
+        "tp_overlap_comm": inert_at(False, why="off", refuse="overlapping the TP all-reduce with compute"),
+    }
 
     autotp_size: int = 1
     tp_plan: dict | None = None
@@ -391,20 +490,135 @@ class BatchPlan:
 
 
 _TOP_NOT_SUPPORTED = {
-    key: ""
-    for key in (
-        "moe", "activation_checkpointing", "flops_profiler", "compression_training",
-        "data_efficiency", "amp", "pipeline", "sparse_attention", "checkpoint", "elasticity",
-        "comms_logger", "autotuning", "curriculum_learning", "zero_allow_untested_optimizer",
-        "zero_force_ds_cpu_optimizer", "fp8", "graph_harvesting", "compile", "data_types", "dump_state",
-        "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "memory_breakdown",
-        "tensorboard", "wandb", "csv_monitor", "comet", "nebula", "eigenvalue", "progressive_layer_drop",
-        "quantize_training", "hybrid_engine", "weight_quantization", "disable_allgather",
-        "dataloader_drop_last", "torch_autocast", "timers", "sequence_parallel_size",
-        "seq_parallel_communication_data_type", "use_data_before_expert_parallel_",
-        "zero_optimization_stage",
-    )
+    "moe": "DeepSpeed's older MoE section; use expert_parallel",
+    "compression_training": "DeepSpeed's compression library",
+    "pipeline": "pipeline parallelism",
+    "sparse_attention": "sparse attention kernels",
+    "fp8": "fp8 training",
+    "graph_harvesting": "graph harvesting",
+    "compile": "DeepCompile; see graph_capture",
+    "quantize_training": "quantization-aware training",
+    "weight_quantization": "weight quantization",
+    "timers": "DeepSpeed's throughput timers; wall_clock_breakdown times the step",
+    "zero_optimization_stage": "write zero_optimization.stage",
 }
+
+
+_AC_FLAGS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+             "synchronize_checkpoint_boundary", "profile")
+
+
+def _activation_checkpointing_off(value: Any) -> bool:
+    """DeepSpeed's activation_checkpointing section configures deepspeed.checkpointing, which only a model
+    that calls it uses; with every switch off and no checkpoint count it asks for nothing."""
+    return (isinstance(value, Mapping) and set(value) <= {*_AC_FLAGS, "number_checkpoints"}
+            and all(value.get(k, False) is False for k in _AC_FLAGS)
+            and value.get("number_checkpoints") in (None, False))
+
+
+def _checkpoint_inert(value: Any) -> bool:
+    """DeepSpeed's checkpoint section: tag checks and universal loading are moot (rayzero checkpoints load at
+    any world size; tags are directory names); node-local storage and pipeline-parallel writes are not."""
+    if not isinstance(value, Mapping) or not set(value) <= {"tag_validation", "load_universal",
+                                                              "use_node_local_storage", "parallel_write"}:
+        return False
+    write = value.get("parallel_write", {})
+    return (value.get("use_node_local_storage", False) is False and isinstance(write, Mapping)
+            and set(write) <= {"pipeline_stage"} and write.get("pipeline_stage", False) is False)
+
+
+def _data_types_inert(value: Any) -> bool:
+    return (isinstance(value, Mapping) and set(value) <= {"grad_accum_dtype"}
+            and value.get("grad_accum_dtype") in (None, "fp32", "float32"))
+
+
+_OFF = "off"
+# DeepSpeed's top-level keys that have no effect in rayzero (at any value, or at the value shown).
+_TOP_INERT = {
+    "prescale_gradients": inert_at(False, why=_OFF, refuse="scaling gradients before the all-reduce"),
+    "gradient_predivide_factor": inert_at(1, why="a factor of 1", refuse="dividing gradients before the all-reduce"),
+    "gradient_allreduce_op": inert_at("mean", why="rayzero averages gradients over the data-parallel ranks",
+                                      refuse="summed instead of averaged gradients"),
+    "sparse_gradients": inert_at(False, why=_OFF, refuse="sparse embedding gradients"),
+    "zero_allow_untested_optimizer": Inert(
+        why="rayzero runs every optimizer it builds on its ZeRO partitions; no permission is needed"),
+    "zero_force_ds_cpu_optimizer": Inert(
+        why="with offload rayzero steps torch's own optimizer on the host; there is no DeepSpeed CPU Adam to force"),
+    "memory_breakdown": inert_at(False, why=_OFF, refuse="memory use printed with the timers"),
+    "dump_state": inert_at(False, why=_OFF, refuse="printing the engine's state at start-up"),
+    "disable_allgather": inert_at(False, why=_OFF, refuse="broadcasts instead of all-gathers"),
+    "dataloader_drop_last": inert_at(False, why=_OFF, refuse="a data loader built by the engine"),
+    "disable_python_gc": Inert(why=f"{_TUNING}: rayzero leaves Python's garbage collector as it is"),
+    "log_level": Inert(why="DeepSpeed's own logger; rayzero logs to logger 'rayzero'"),
+    "managed_gradient_accumulation": inert_at(
+        True, why="rayzero steps at accumulation boundaries (DeepSpeed's default)",
+        refuse="the caller choosing each boundary; use engine.set_gradient_accumulation_boundary"),
+    "use_data_before_expert_parallelism": inert_at(False, why=_OFF, refuse="data order before expert parallelism"),
+    "sequence_parallel_size": inert_at(1, why="one rank per sequence", refuse="sequence parallelism"),
+    "seq_parallel_communication_data_type": Inert(why="read only with sequence parallelism"),
+    "activation_checkpointing": Inert(
+        why="every switch off", when=_activation_checkpointing_off,
+        refuse="deepspeed.checkpointing's activation partitioning, offload and counts; checkpoint blocks with "
+               "torch.utils.checkpoint in the model",
+        fix="set its switches to false (number_checkpoints null) or remove the section"),
+    "checkpoint": Inert(
+        why="rayzero checkpoints load at any world size", when=_checkpoint_inert,
+        refuse="node-local checkpoint storage or pipeline-parallel writes",
+        fix="set use_node_local_storage and parallel_write.pipeline_stage to false, or remove them"),
+    "data_types": Inert(why="gradients accumulate in fp32", when=_data_types_inert,
+                        refuse="gradient accumulation in a 16-bit dtype",
+                        fix='set grad_accum_dtype to "fp32" or remove the section'),
+    "flops_profiler": inert_when_disabled("the flops profiler"),
+    "comms_logger": inert_when_disabled("the communication logger"),
+    "comet": inert_when_disabled("the Comet monitor; use tensorboard, wandb or csv_monitor"),
+    "amp": inert_when_disabled("NVIDIA Apex AMP; use bf16 or fp16"),
+    "torch_autocast": inert_when_disabled("torch.autocast around the forward; use bf16 or fp16"),
+    "elasticity": inert_when_disabled("DeepSpeed's elastic batch sizes; rayzero.fit has its own elastic range"),
+    "autotuning": inert_when_disabled("DeepSpeed's autotuner; see `rayzero tune`"),
+    "curriculum_learning": inert_when_disabled("curriculum learning"),
+    "data_efficiency": inert_when_disabled("data efficiency (sampling and routing)"),
+    "progressive_layer_drop": inert_when_disabled("progressive layer drop"),
+    "eigenvalue": inert_when_disabled("eigenvalue computation"),
+    "nebula": inert_when_disabled("Nebula checkpointing"),
+    "hybrid_engine": inert_when_disabled("the hybrid engine"),
+}
+
+
+@dataclass
+class TensorBoardConfig(_Section):
+    """`tensorboard`: rank 0 writes DeepSpeed's training events with torch's SummaryWriter to
+    ``output_path/job_name`` (rayzero/monitor.py)."""
+
+    _path: ClassVar[str] = "tensorboard"
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+@dataclass
+class WandbConfig(_Section):
+    """`wandb`: rank 0 logs DeepSpeed's training events to Weights & Biases (``team`` is wandb's entity)."""
+
+    _path: ClassVar[str] = "wandb"
+
+    enabled: bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "deepspeed"
+
+
+@dataclass
+class CSVMonitorConfig(_Section):
+    """`csv_monitor`: rank 0 appends DeepSpeed's training events to one CSV file per event under
+    ``output_path/job_name``, in DeepSpeed's layout."""
+
+    _path: ClassVar[str] = "csv_monitor"
+
+    enabled: bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
 
 _COMM_DTYPES = {
     "fp32": "fp32", "float32": "fp32",
@@ -420,6 +634,7 @@ class Config(_Section):
 
     _path: ClassVar[str] = ""
     _not_supported: ClassVar[Mapping[str, str]] = _TOP_NOT_SUPPORTED
+    _inert: ClassVar[Mapping[str, Inert]] = _TOP_INERT
     _aliases: ClassVar[Mapping[str, str]] = {"bfloat16": "bf16"}  # DeepSpeed's older spelling
 
     train_batch_size: int | None = None
@@ -441,6 +656,22 @@ class Config(_Section):
     expert_parallel: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     aio: AioConfig = field(default_factory=AioConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig)
+
+    @classmethod
+    def _translate(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """DeepSpeed's older ``"zero_optimization": true / false`` reads as stage 1 / stage 0 as DeepSpeed reads
+        it (true also takes a top-level ``allgather_size`` as ``allgather_bucket_size``)."""
+        zero = data.get("zero_optimization")
+        if isinstance(zero, bool):
+            new: dict[str, Any] = {"stage": 1 if zero else 0}
+            if zero and "allgather_size" in data:
+                new["allgather_bucket_size"] = data.pop("allgather_size")
+            note_inert("zero_optimization", zero, f"DeepSpeed's older form, read as {json.dumps(new)}")
+            data["zero_optimization"] = new
+        return data
 
     def _validate(self) -> None:
         for name in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):

@@ -30,6 +30,7 @@ from rayzero.model_setup import apply_model_parallelism, broadcast_from_rank0, p
 from rayzero.optim.clip import clip_coefficient, global_grad_norm
 from rayzero.optim.factory import build_optimizer
 from rayzero.optim.schedulers import build_scheduler
+from rayzero.monitor import build_monitor
 from rayzero.optim.loss_scaler import LossScaler
 from rayzero.parallel.slicing import canonical_to_full
 from rayzero.parallel.state import ParallelState
@@ -268,6 +269,7 @@ class Engine:
             cfg.scheduler, self.optimizer, [g.user_group for g in self.partitions.groups], user_groups
         )
         self.loss_scaler = LossScaler.from_fp16_config(cfg.fp16)
+        self.monitor = build_monitor(cfg, self.rank)  # tensorboard / wandb / csv_monitor (rank 0)
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -375,6 +377,8 @@ class Engine:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
         self._check_alive()
         self.publisher.finish()
+        if self.monitor is not None:
+            self.monitor.record_loss(loss, self.gradient_accumulation_steps, self.global_steps)
         self.reducer.reduce_now = self.reducer.stage >= 2 or self.is_gradient_accumulation_boundary()
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         scaled = loss.float() * scale if scale != 1.0 else loss
@@ -432,6 +436,8 @@ class Engine:
         self.micro_steps += 1
         self.global_samples += self.batch.train_batch_size
         self._timings["step"] += self._clock() - start
+        if self.monitor is not None:
+            self.monitor.after_step(self)
         self._report()
 
     def _clock(self) -> float:
@@ -591,6 +597,8 @@ class Engine:
         self._checkpoint.wait()
         self._checkpoint.release()
         self._close_swap()  # the rank's swap files go with the engine
+        if self.monitor is not None:
+            self.monitor.close()
         _live_engines.discard(self)
         self.reducer.remove_hooks()
         # the model outlives the engine: each rank keeps its own weights (stage 3's shared ones become

@@ -101,6 +101,7 @@ def wrong_type(draw):
 @given(wrong_type())
 def test_a_value_of_the_wrong_type_names_its_key(case):
     path, value = case
+    assume(not (path == ("zero_optimization",) and isinstance(value, bool)))  # DeepSpeed's older form, read
     with pytest.raises(ConfigError) as e:
         Config.from_any(_nested(path, value))
     assert ".".join(path) in str(e.value), str(e.value)
@@ -113,7 +114,7 @@ KEY_NAMES = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_0123456789", min_size=1
 @given(st.sampled_from(SECTIONS), KEY_NAMES, st.integers())
 def test_an_unknown_key_is_named_with_its_section(section, key, value):
     cls = _section_class(section)
-    known = set(cls._field_names()) | set(cls._aliases) | set(cls._fixed) | set(cls._not_supported)
+    known = set(cls._field_names()) | set(cls._aliases) | set(cls._fixed) | set(cls._not_supported) | set(cls._inert)
     assume(key not in known)
     with pytest.raises(ConfigError) as e:
         Config.from_any(_nested(section + (key,), value))
