@@ -257,7 +257,7 @@ class OptimizerConfig(_Section):
 
 @dataclass
 class SchedulerConfig(_Section):
-    """`scheduler`: WarmupLR, WarmupDecayLR or WarmupCosineLR with DeepSpeed's params."""
+    """`scheduler`: one of DeepSpeed's schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)."""
 
     _path: ClassVar[str] = "scheduler"
 
