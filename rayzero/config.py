@@ -271,6 +271,28 @@ class SchedulerConfig(_Section):
 
 
 @dataclass
+class ActivationCheckpointingConfig(_Section):
+    """`activation_checkpointing`: present, the engine checkpoints the model's repeated blocks
+    (rayzero/activation_checkpointing.py); DeepSpeed's keys, the ones rayzero cannot honour refused."""
+
+    _path: ClassVar[str] = "activation_checkpointing"
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = None  # sizes DeepSpeed's contiguous buffers: nothing to size here
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False  # DeepSpeed's checkpoint timers; rayzero's wall_clock_breakdown times the phases
+
+    def _validate(self) -> None:
+        from rayzero.activation_checkpointing import refusals
+
+        problems = refusals(self.to_dict())
+        if problems:
+            raise NotSupportedYetError("; ".join(problems))
+
+
+@dataclass
 class FP16Config(_Section):
     """`fp16`: fp16 compute with loss scaling (dynamic when loss_scale is 0)."""
 
@@ -393,7 +415,7 @@ class BatchPlan:
 _TOP_NOT_SUPPORTED = {
     key: ""
     for key in (
-        "moe", "activation_checkpointing", "flops_profiler", "compression_training",
+        "moe", "flops_profiler", "compression_training",
         "data_efficiency", "amp", "pipeline", "sparse_attention", "checkpoint", "elasticity",
         "comms_logger", "autotuning", "curriculum_learning", "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer", "fp8", "graph_harvesting", "compile", "data_types", "dump_state",
@@ -428,6 +450,7 @@ class Config(_Section):
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
     gradient_clipping: float = 0.0
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)

@@ -131,7 +131,6 @@ def test_unknown_key_without_close_match_lists_known():
     "cfg, path",
     [
         ({"moe": {"enabled": True}}, "moe"),
-        ({"activation_checkpointing": {}}, "activation_checkpointing"),
         ({"tensorboard": {"enabled": False}}, "tensorboard"),
         ({"prescale_gradients": False}, "prescale_gradients"),
         ({"zero_allow_untested_optimizer": True}, "zero_allow_untested_optimizer"),
