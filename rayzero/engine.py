@@ -268,6 +268,12 @@ class Engine:
         self.lr_scheduler = build_scheduler(
             cfg.scheduler, self.optimizer, [g.user_group for g in self.partitions.groups], user_groups
         )
+        if cfg.graph_capture.enabled and getattr(self.lr_scheduler, "cycle_momentum", False):
+            raise ConfigError(
+                "scheduler OneCycle with cycle_momentum sets the optimizer's betas every step, and a captured "
+                "step keeps the betas it was recorded with; set 'scheduler.params.cycle_momentum' to false or "
+                "'graph_capture.enabled' to false"
+            )
         self.loss_scaler = LossScaler.from_fp16_config(cfg.fp16)
         self.global_steps = 0
         self.micro_steps = 0

@@ -275,3 +275,11 @@ def test_live_deepspeed_schedules_match():
         lrs, betas = _drive(_build(kind, params, opt), opt, bench.STEPS)
         assert _flat(lrs) == pytest.approx(_flat(live["lrs"]), rel=1e-12, abs=1e-15), name
         assert betas == live["betas"], name
+
+
+def test_one_cycle_momentum_is_refused_under_graph_capture():
+    """A captured step keeps the betas it was recorded with, so OneCycle's cycled betas would not reach it."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, "graph_capture": {"enabled": True},
+           "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01}}}
+    with pytest.raises(ConfigError, match="cycle_momentum.*captured step keeps the betas"):
+        rayzero.initialize(torch.nn.Linear(4, 2), cfg)
