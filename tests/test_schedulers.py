@@ -198,6 +198,12 @@ def test_scheduler_config_errors_name_every_problem():
         Config.from_any({"scheduler": {"type": "Linear"}})
     with pytest.raises(ConfigError, match="3 values but the optimizer has 2 param groups"):
         _build("WarmupLR", {"warmup_max_lr": [0.1, 0.2, 0.3]}, _optimizer())
+    # as in DeepSpeed, a schedule built at a later position leaves the optimizer's lr alone until step()
+    opt = _optimizer()
+    sched = _build("WarmupLR", {"warmup_num_steps": 4, "warmup_max_lr": 0.4, "last_batch_iteration": 1}, opt)
+    assert [g["lr"] for g in opt.param_groups] == list(REFERENCE["base_lrs"]) and sched.last_batch_iteration == 1
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.4 * math.log(3) / math.log(4)] * 2
     # DeepSpeed accepts a total shorter than the warmup (with a warning), and so does rayzero
     Config.from_any({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5, "warmup_num_steps": 10}}})
 

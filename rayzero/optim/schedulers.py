@@ -454,6 +454,8 @@ _PARAMS: dict[type[DeepSpeedSchedule], dict[str, tuple[bool, Any]]] = {
     },
 }
 _PARAMS[WarmupDecayLR] = {"total_num_steps": (True, _steps), **_PARAMS[WarmupLR]}
+for _spec in _PARAMS.values():  # DeepSpeed passes the params to the constructor: a resumed position too
+    _spec["last_batch_iteration"] = (False, lambda p, v: _as_int(p, v, -1))
 
 
 def resolve_scheduler(cfg: SchedulerConfig) -> tuple[type[DeepSpeedSchedule], dict[str, Any]]:
