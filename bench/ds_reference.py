@@ -11,7 +11,9 @@ It records
 - "engine_runs": a tiny Linear model trained by deepspeed.initialize at world size 1 with gradient
   accumulation, clipping and a WarmupLR scheduler: per micro-step the loss, lr, boundary flag and the
   counters global_steps, micro_steps, global_samples, skipped_steps, the grad norm at boundaries, the
-  inputs, and the initial and final weights.
+  inputs, and the initial and final weights;
+- "loss_scaler": DeepSpeed's dynamic fp16 loss scale after each update over one overflow pattern, for a few
+  windows and hysteresis settings.
 """
 
 from __future__ import annotations
@@ -88,6 +90,23 @@ def _schedule_case(lr_schedules, torch, kind: str, params: dict) -> dict:
             "state_dict": sched.state_dict()}
 
 
+# DeepSpeed's DynamicLossScaler: (window, hysteresis, consecutive_hysteresis), driven by one overflow pattern
+LOSS_SCALER_CASES = [(3, 2, False), (4, 1, False), (2, 3, True), (5, 2, True), (1, 2, False)]
+OVERFLOWS = [i in (0, 1, 9, 10, 11, 20, 26, 27, 28, 29, 30, 41) for i in range(48)]
+
+
+def _loss_scales(window: int, hysteresis: int, consecutive: bool) -> list[float]:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    scaler = DynamicLossScaler(init_scale=2.0 ** 8, scale_window=window, min_scale=1.0, delayed_shift=hysteresis,
+                               consecutive_hysteresis=consecutive, raise_error_at_min_scale=False)
+    out = []
+    for overflow in OVERFLOWS:
+        scaler.update_scale(overflow)
+        out.append(float(scaler.cur_scale))
+    return out
+
+
 def _engine_run(deepspeed, torch, config: dict) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -137,6 +156,10 @@ def main() -> None:
         "schedules": {name: _schedule_case(lr_schedules, torch, kind, params) for name, kind, params in CASES},
         "engine_runs": {name: _engine_run(deepspeed, torch, cfg) for name, cfg in ENGINE_CONFIGS.items()},
     }
+    deepspeed.init_distributed(dist_backend="gloo")  # the scaler logs its overflows with the rank
+    out["loss_scaler"] = {"overflows": OVERFLOWS, "init_scale": 2.0 ** 8, "min_scale": 1.0, "cases": [
+        {"window": w, "hysteresis": h, "consecutive_hysteresis": c, "scales": _loss_scales(w, h, c)}
+        for w, h, c in LOSS_SCALER_CASES]}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=None, separators=(",", ":"))
         f.write("\n")

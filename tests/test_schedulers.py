@@ -289,3 +289,20 @@ def test_one_cycle_momentum_is_refused_under_graph_capture():
            "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01}}}
     with pytest.raises(ConfigError, match="cycle_momentum.*captured step keeps the betas"):
         rayzero.initialize(torch.nn.Linear(4, 2), cfg)
+
+
+@pytest.mark.parametrize("case", REFERENCE["loss_scaler"]["cases"], ids=lambda c: "w{window}-h{hysteresis}-c{consecutive_hysteresis}".format(**c))
+def test_dynamic_loss_scale_follows_deepspeeds(case):
+    """DeepSpeed grows the scale on the good step after each `window` good steps since the last overflow
+    (runtime/fp16/loss_scaler.py: stable_interval), and spends hysteresis before it halves."""
+    from rayzero.optim.loss_scaler import LossScaler
+
+    ref = REFERENCE["loss_scaler"]
+    scaler = LossScaler(scale=ref["init_scale"], dynamic=True, window=case["window"], hysteresis=case["hysteresis"],
+                        consecutive_hysteresis=case["consecutive_hysteresis"], min_scale=ref["min_scale"],
+                        hysteresis_left=case["hysteresis"])
+    scales = []
+    for overflow in ref["overflows"]:
+        scaler.update(overflow)
+        scales.append(scaler.scale)
+    assert scales == case["scales"]
