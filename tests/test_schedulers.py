@@ -291,7 +291,8 @@ def test_one_cycle_momentum_is_refused_under_graph_capture():
         rayzero.initialize(torch.nn.Linear(4, 2), cfg)
 
 
-@pytest.mark.parametrize("case", REFERENCE["loss_scaler"]["cases"], ids=lambda c: "w{window}-h{hysteresis}-c{consecutive_hysteresis}".format(**c))
+@pytest.mark.parametrize("case", REFERENCE["loss_scaler"]["cases"],
+                         ids=lambda c: "w{window}-h{hysteresis}-c{consecutive_hysteresis}".format(**c))
 def test_dynamic_loss_scale_follows_deepspeeds(case):
     """DeepSpeed grows the scale on the good step after each `window` good steps since the last overflow
     (runtime/fp16/loss_scaler.py: stable_interval), and spends hysteresis before it halves."""

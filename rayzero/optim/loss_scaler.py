@@ -11,8 +11,9 @@ class LossScaler:
 
     Dynamic mode: an overflow consumes one unit of ``hysteresis``; when none is left the scale is divided
     by ``scale_factor`` (never below ``min_scale``) and the step is skipped.  After ``window`` steps without
-    overflow the scale is multiplied by ``scale_factor`` on the next good step (DeepSpeed's count).  Static mode (``dynamic=False``) never changes
-    the scale; an overflow still skips the step.
+    overflow the scale is multiplied by ``scale_factor`` on the next good step (DeepSpeed's count).  Static
+    mode (``dynamic=False``) never changes the scale; an overflow still skips the step.  Unlike DeepSpeed,
+    an overflow at ``min_scale`` skips the step again instead of ending the run.
     """
 
     scale: float = 1.0
