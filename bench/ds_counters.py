@@ -2,11 +2,12 @@
 
 Needs DeepSpeed (CPU accelerator) and rayzero importable in one environment, e.g.
 
-    DS_ACCELERATOR=cpu PYTHONPATH=$PWD /work/dsvenv/bin/python bench/ds_counters.py
+    DS_ACCELERATOR=cpu PYTHONPATH=$PWD /work/dsvenv/bin/python bench/ds_counters.py [--batch-grid]
 
 Each config trains Linear(4, 2) on 8 micro-steps of a global batch of 8 (4 per rank, micro-batch 2, gradient
 accumulation 2), first under deepspeed.initialize and then under rayzero.initialize, each in a fresh spawn of
-2 gloo ranks, and prints every difference (none expected beyond float rounding).
+2 gloo ranks, and prints every difference (none expected beyond float rounding). With --batch-grid it compares
+instead how both resolve the batch keys (train_batch_size, micro-batch, accumulation) over a grid.
 """
 
 from __future__ import annotations
@@ -103,7 +104,58 @@ def _diff(a, b, path=""):
     return [] if a == b else [f"{path}: deepspeed {a} rayzero {b}"]
 
 
+def batch_grid() -> None:
+    """DeepSpeed's and rayzero's resolution of the three batch keys over a grid of given/missing values and
+    world sizes 1-4: the same triple, or both refuse."""
+    import itertools
+
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from rayzero.config import Config, ConfigError
+
+    class DataParallel:  # DeepSpeedConfig reads the data-parallel world size from an mpu
+        def __init__(self, world):
+            self.world = world
+
+        def get_data_parallel_world_size(self):
+            return self.world
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo")
+    same, differ = 0, []
+    for world in (1, 2, 3, 4):
+        for tbs, mb, gas in itertools.product([None, 1, 2, 3, 4, 6, 8, 12, 16], [None, 1, 2, 3, 4], [None, 1, 2, 3]):
+            cfg = {k: v for k, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mb),
+                                     ("gradient_accumulation_steps", gas)) if v is not None}
+            try:
+                d = DeepSpeedConfig(dict(cfg), mpu=DataParallel(world))
+                ds = (d.train_batch_size, d.train_micro_batch_size_per_gpu, d.gradient_accumulation_steps)
+            except Exception:  # noqa: BLE001 - any refusal counts as one
+                ds = "refused"
+            try:
+                plan = Config.from_any(dict(cfg)).resolve_batch(world)
+                rz = (plan.train_batch_size, plan.micro_batch_size, plan.gradient_accumulation_steps)
+            except ConfigError:
+                rz = "refused"
+            if ds == rz:
+                same += 1
+            else:
+                differ.append(f"world {world} {cfg}: deepspeed {ds}, rayzero {rz}")
+    print(f"batch keys: {same} of {same + len(differ)} cases resolve the same; differences:\n  " + "\n  ".join(differ))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> None:
+    if "--batch-grid" in sys.argv:
+        batch_grid()
+        return
     configs = dict(ENGINE_CONFIGS)
     configs["stage3_warmup_clip"] = {**ENGINE_CONFIGS["stage0_warmup_clip"], "zero_optimization": {"stage": 3}}
     for name, config in configs.items():
