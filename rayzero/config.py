@@ -330,7 +330,7 @@ class OptimizerConfig(_Section):
 
 @dataclass
 class SchedulerConfig(_Section):
-    """`scheduler`: WarmupLR, WarmupDecayLR or WarmupCosineLR with DeepSpeed's params."""
+    """`scheduler`: one of DeepSpeed's schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)."""
 
     _path: ClassVar[str] = "scheduler"
 
@@ -341,6 +341,28 @@ class SchedulerConfig(_Section):
         from rayzero.optim.schedulers import resolve_scheduler
 
         resolve_scheduler(self)
+
+
+@dataclass
+class ActivationCheckpointingConfig(_Section):
+    """`activation_checkpointing`: present, the engine checkpoints the model's repeated blocks
+    (rayzero/activation_checkpointing.py); DeepSpeed's keys, the ones rayzero cannot honour refused."""
+
+    _path: ClassVar[str] = "activation_checkpointing"
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: int | None = None  # sizes DeepSpeed's contiguous buffers: nothing to size here
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False  # DeepSpeed's checkpoint timers; rayzero's wall_clock_breakdown times the phases
+
+    def _validate(self) -> None:
+        from rayzero.activation_checkpointing import refusals
+
+        problems = refusals(self.to_dict())
+        if problems:
+            raise NotSupportedYetError("; ".join(problems))
 
 
 @dataclass
@@ -504,17 +526,6 @@ _TOP_NOT_SUPPORTED = {
 }
 
 
-_AC_FLAGS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-             "synchronize_checkpoint_boundary", "profile")
-
-
-def _activation_checkpointing_off(value: Any) -> bool:
-    """DeepSpeed's activation_checkpointing section configures deepspeed.checkpointing, which only a model
-    that calls it uses; with every switch off and no checkpoint count it asks for nothing."""
-    return (isinstance(value, Mapping) and set(value) <= {*_AC_FLAGS, "number_checkpoints"}
-            and all(value.get(k, False) is False for k in _AC_FLAGS)
-            and value.get("number_checkpoints") in (None, False))
-
 
 def _checkpoint_inert(value: Any) -> bool:
     """DeepSpeed's checkpoint section: tag checks and universal loading are moot (rayzero checkpoints load at
@@ -556,11 +567,6 @@ _TOP_INERT = {
     "use_data_before_expert_parallelism": inert_at(False, why=_OFF, refuse="data order before expert parallelism"),
     "sequence_parallel_size": inert_at(1, why="one rank per sequence", refuse="sequence parallelism"),
     "seq_parallel_communication_data_type": Inert(why="read only with sequence parallelism"),
-    "activation_checkpointing": Inert(
-        why="every switch off", when=_activation_checkpointing_off,
-        refuse="deepspeed.checkpointing's activation partitioning, offload and counts; checkpoint blocks with "
-               "torch.utils.checkpoint in the model",
-        fix="set its switches to false (number_checkpoints null) or remove the section"),
     "checkpoint": Inert(
         why="rayzero checkpoints load at any world size", when=_checkpoint_inert,
         refuse="node-local checkpoint storage or pipeline-parallel writes",
@@ -643,6 +649,7 @@ class Config(_Section):
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
+    activation_checkpointing: ActivationCheckpointingConfig | None = None
     gradient_clipping: float = 0.0
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)

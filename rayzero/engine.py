@@ -195,6 +195,7 @@ class Engine:
                 unit_rule=z.stage3_gather_unit,
                 prefetch_elements=z.stage3_prefetch_bucket_size,
             )
+        self._checkpointed_blocks = self._checkpoint_activations(model)
         self.buckets = engine_bucket_plan(model, self.partitions, self.parallel.dp, cfg, self.rank)
         self.reducer = GradientReducer(
             self.partitions,
@@ -268,6 +269,12 @@ class Engine:
         self.lr_scheduler = build_scheduler(
             cfg.scheduler, self.optimizer, [g.user_group for g in self.partitions.groups], user_groups
         )
+        if cfg.graph_capture.enabled and getattr(self.lr_scheduler, "cycle_momentum", False):
+            raise ConfigError(
+                "scheduler OneCycle with cycle_momentum sets the optimizer's betas every step, and a captured "
+                "step keeps the betas it was recorded with; set 'scheduler.params.cycle_momentum' to false or "
+                "'graph_capture.enabled' to false"
+            )
         self.loss_scaler = LossScaler.from_fp16_config(cfg.fp16)
         self.monitor = build_monitor(cfg, self.rank)  # tensorboard / wandb / csv_monitor (rank 0)
         self.global_steps = 0
@@ -298,6 +305,21 @@ class Engine:
         self._rank_swap = self.swap = None
 
     # ---- set-up helpers --------------------------------------------------------------------------------
+    def _checkpoint_activations(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """With an ``activation_checkpointing`` section: checkpoint the model's blocks (the blocks stage 3
+        gathers as units; rayzero/activation_checkpointing.py)."""
+        ac = self.config.activation_checkpointing
+        if ac is None:
+            return []
+        from rayzero.activation_checkpointing import checkpoint_blocks
+
+        entry_of = self.partitions.entry_of
+        return checkpoint_blocks(
+            model, self.config.zero_optimization.stage3_gather_unit,
+            lambda p: entry_of[p].numel if p in entry_of else p.numel(),
+            self.accelerator.synchronize if ac.synchronize_checkpoint_boundary else None,
+        )
+
     @staticmethod
     def _plan_topology(cfg: Config, world_size: int) -> ParallelDims:
         tp, ep = cfg.tensor_parallel.autotp_size, cfg.expert_parallel.size
@@ -601,6 +623,10 @@ class Engine:
             self.monitor.close()
         _live_engines.discard(self)
         self.reducer.remove_hooks()
+        if self._checkpointed_blocks:
+            from rayzero.activation_checkpointing import unwrap_blocks
+
+            unwrap_blocks(self._checkpointed_blocks)
         # the model outlives the engine: each rank keeps its own weights (stage 3's shared ones become
         # stand-ins below, as gathered ones do)
         self.publisher.unshare(drop=self.gatherer.shared if self.gatherer is not None else ())

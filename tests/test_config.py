@@ -20,7 +20,6 @@ from rayzero.config import (
     ZeroConfig,
 )
 from rayzero.optim.factory import build_optimizer
-from rayzero.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 
 # --- batch arithmetic ---------------------------------------------------------------------------------
@@ -146,7 +145,6 @@ def test_unknown_key_without_close_match_lists_known():
         ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
         ({"optimizer": {"type": "Lamb"}}, "optimizer.type"),
         ({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}, "optimizer.params.bias_correction"),
-        ({"scheduler": {"type": "OneCycle"}}, "scheduler.type"),
     ],
 )
 def test_not_supported_yet(cfg, path):
@@ -409,145 +407,7 @@ def test_optimizer_group_overrides_win():
     assert (g1["weight_decay"], g1["lr"], g1["betas"]) == (0.0, 5e-4, (0.5, 0.6))
 
 
-# --- schedulers ---------------------------------------------------------------------------------------
-
-
-def _sched_opt(lrs=(0.5,)) -> torch.optim.Optimizer:
-    return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in lrs])
-
-
-def _lrs_over(sched, optimizer, steps: int) -> list[list[float]]:
-    """lr of each group used by optimizer steps 0..steps-1."""
-    out = []
-    for _ in range(steps):
-        out.append([g["lr"] for g in optimizer.param_groups])
-        optimizer.step()  # no grads: a no-op, but keeps torch's call-order check quiet
-        sched.step()
-    return out
-
-
-def _build(sched_cfg: dict, optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    cfg = Config.from_any({"scheduler": sched_cfg})
-    return build_scheduler(cfg.scheduler, optimizer)
-
-
-def test_no_scheduler():
-    assert build_scheduler(None, _sched_opt()) is None
-
-
-def test_warmup_lr_log_and_linear():
-    lo, hi, w = 0.01, 0.1, 10
-    for warmup_type in ("log", "linear"):
-        opt = _sched_opt()
-        sched = _build({"type": "WarmupLR", "params": {"warmup_min_lr": lo, "warmup_max_lr": hi,
-                                                       "warmup_num_steps": w, "warmup_type": warmup_type}}, opt)
-        assert isinstance(sched, WarmupLR)
-        got = [lrs[0] for lrs in _lrs_over(sched, opt, 15)]
-        for i in (0, 1, 5, 9, 10, 14):
-            if i >= w:
-                want = hi
-            elif warmup_type == "log":
-                want = lo + (hi - lo) * math.log(i + 1) / math.log(w)
-            else:
-                want = lo + (hi - lo) * i / w
-            assert got[i] == pytest.approx(want, rel=1e-12), (warmup_type, i)
-    assert got[0] == pytest.approx(lo)
-
-
-def test_warmup_lr_defaults_and_per_group_lists():
-    opt = _sched_opt((1.0, 2.0))
-    sched = _build({"type": "WarmupLR"}, opt)  # 0 -> 0.001 over 1000 log steps
-    assert sched.get_last_lr() == [0.0, 0.0]
-    assert sched.lr_at(999)[0] == pytest.approx(0.001 * math.log(1000) / math.log(1000))
-    assert sched.lr_at(100)[1] == pytest.approx(0.001 * math.log(101) / math.log(1000))
-    opt = _sched_opt((1.0, 2.0))
-    sched = _build({"type": "WarmupLR", "params": {"warmup_max_lr": [0.1, 0.2], "warmup_num_steps": 4,
-                                                   "warmup_type": "linear"}}, opt)
-    assert sched.lr_at(2) == pytest.approx([0.05, 0.1])
-    with pytest.raises(ConfigError, match="3 values but the optimizer has 2 param groups"):
-        _build({"type": "WarmupLR", "params": {"warmup_max_lr": [0.1, 0.2, 0.3]}}, _sched_opt((1.0, 2.0)))
-
-
-def test_warmup_decay_lr():
-    lo, hi, w, total = 0.0, 0.2, 5, 25
-    opt = _sched_opt()
-    sched = _build({"type": "WarmupDecayLR", "params": {"warmup_min_lr": lo, "warmup_max_lr": hi,
-                                                        "warmup_num_steps": w, "total_num_steps": total}}, opt)
-    assert isinstance(sched, WarmupDecayLR)
-    got = [lrs[0] for lrs in _lrs_over(sched, opt, 30)]
-    for i in (0, 3, 4):
-        assert got[i] == pytest.approx(lo + (hi - lo) * math.log(i + 1) / math.log(w))
-    for i in (5, 6, 15, 24, 25, 29):
-        assert got[i] == pytest.approx(lo + (hi - lo) * max(0.0, (total - i) / (total - w)))
-    assert got[5] == pytest.approx(hi) and got[15] == pytest.approx(hi / 2) and got[25] == 0.0
-
-
-def test_warmup_decay_requires_total_and_consistency():
-    with pytest.raises(ConfigError, match="'scheduler.params.total_num_steps' is required for WarmupDecayLR"):
-        Config.from_any({"scheduler": {"type": "WarmupDecayLR"}})
-    with pytest.raises(ConfigError, match="total_num_steps 5 < warmup_num_steps 10"):
-        Config.from_any({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5, "warmup_num_steps": 10}}})
-    with pytest.raises(ConfigError, match=r"unknown config key 'scheduler.params.cos_min_ratio'.*WarmupDecayLR accepts"):
-        Config.from_any({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 5, "cos_min_ratio": 0.1}}})
-    with pytest.raises(ConfigError, match="'Linear' is unknown; supported types: WarmupLR, WarmupDecayLR, WarmupCosineLR"):
-        Config.from_any({"scheduler": {"type": "Linear"}})
-
-
-def test_warmup_cosine_lr_ratios_of_group_lr():
-    base = (0.4, 0.04)
-    w, total, min_ratio, cos_min = 8, 40, 0.1, 0.05
-    for warmup_type in ("log", "linear"):
-        opt = _sched_opt(base)
-        sched = _build({"type": "WarmupCosineLR", "params": {
-            "total_num_steps": total, "warmup_num_steps": w, "warmup_min_ratio": min_ratio,
-            "cos_min_ratio": cos_min, "warmup_type": warmup_type}}, opt)
-        assert isinstance(sched, WarmupCosineLR)
-        got = _lrs_over(sched, opt, 45)
-        for i in (0, 1, 4, 7, 8, 9, 20, 38, 39, 40, 44):
-            if i < w:
-                frac = math.log(i + 1) / math.log(w) if warmup_type == "log" else i / w
-                ratio = min_ratio + (1 - min_ratio) * frac
-            else:
-                progress = min(1.0, (i - w + 1) / (total - w))
-                ratio = cos_min + (1 - cos_min) * (1 + math.cos(math.pi * progress)) / 2
-            assert got[i] == pytest.approx([b * ratio for b in base], rel=1e-12), (warmup_type, i)
-        assert got[0] == pytest.approx([b * min_ratio for b in base])
-        assert got[44] == pytest.approx([b * cos_min for b in base])  # held after total_num_steps
-
-
-def test_warmup_zero_steps_means_no_warmup():
-    opt = _sched_opt()
-    sched = _build({"type": "WarmupLR", "params": {"warmup_num_steps": 0, "warmup_max_lr": 0.3}}, opt)
-    assert sched.get_last_lr() == [0.3]
-
-
-def test_scheduler_state_dict_round_trip():
-    params = {"total_num_steps": 50, "warmup_num_steps": 5, "warmup_type": "linear"}
-    opt = _sched_opt((0.2, 0.1))
-    sched = _build({"type": "WarmupCosineLR", "params": params}, opt)
-    _lrs_over(sched, opt, 17)
-    state = sched.state_dict()
-    assert json.loads(json.dumps(state)) == state  # plain numbers and lists only
-    assert state["last_epoch"] == 17
-
-    fresh_opt = _sched_opt((0.2, 0.1))
-    fresh = _build({"type": "WarmupCosineLR", "params": params}, fresh_opt)
-    fresh.load_state_dict(json.loads(json.dumps(state)))
-    assert fresh.last_epoch == 17
-    assert [g["lr"] for g in fresh_opt.param_groups] == pytest.approx([g["lr"] for g in opt.param_groups])
-    assert _lrs_over(fresh, fresh_opt, 10) == _lrs_over(sched, opt, 10)  # closed form: exact
-
-    warm_opt = _sched_opt()
-    warm = _build({"type": "WarmupDecayLR", "params": {"total_num_steps": 20, "warmup_num_steps": 4}}, warm_opt)
-    _lrs_over(warm, warm_opt, 6)
-    state = warm.state_dict()
-    assert json.loads(json.dumps(state)) == state
-    again_opt = _sched_opt()
-    again = _build({"type": "WarmupDecayLR", "params": {"total_num_steps": 20, "warmup_num_steps": 4}}, again_opt)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # loading must not trip torch's call-order warnings
-        again.load_state_dict(state)
-    assert again.get_last_lr() == pytest.approx(warm.get_last_lr())
+# Schedulers: tests/test_schedulers.py.
 
 
 def test_offload_sections():

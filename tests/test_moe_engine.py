@@ -306,13 +306,14 @@ def test_scheduler_lists_and_get_lr_follow_the_users_groups():
     engine = rayzero.initialize(model, {
         "train_micro_batch_size_per_gpu": 1, "steps_per_print": 0,
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": [0.0, 0.0], "warmup_max_lr": [1e-4, 1e-3],
-                                                     "warmup_num_steps": 1}},
+                                                     "warmup_num_steps": 2}},
     }, model_parameters=(g for g in groups))
     assert len(engine.optimizer.param_groups) == 2  # the trainable user group: dense and experts
     assert {g.user_group for g in engine.partitions.groups} == {1}
     ids = torch.randint(0, 64, (1, 8))
-    engine.backward(engine(input_ids=ids, labels=ids).loss)
-    engine.step()
+    for _ in range(3):  # as DeepSpeed: built at lr(-1), then lr(0), lr(1) = the end of a 2-step warmup
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
     assert engine.get_lr() == [pytest.approx(1e-3)]
     assert [g["lr"] for g in engine.optimizer.param_groups] == [pytest.approx(1e-3)] * 2
     engine.destroy()

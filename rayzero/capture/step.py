@@ -89,7 +89,7 @@ class StepCapture:
         if scheduler is None:
             return list(self._start_lrs)
         if hasattr(scheduler, "lr_at"):
-            return [float(lr) for lr in scheduler.lr_at(max(scheduler.last_epoch, 0))]
+            return [float(lr) for lr in scheduler.lr_at(scheduler.last_batch_iteration)]
         return [float(group["lr"]) for group in self.engine.optimizer.param_groups]
 
     # ---- guards ----------------------------------------------------------------------------------------

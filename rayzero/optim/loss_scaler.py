@@ -11,8 +11,9 @@ class LossScaler:
 
     Dynamic mode: an overflow consumes one unit of ``hysteresis``; when none is left the scale is divided
     by ``scale_factor`` (never below ``min_scale``) and the step is skipped.  After ``window`` steps without
-    overflow the scale is multiplied by ``scale_factor``.  Static mode (``dynamic=False``) never changes
-    the scale; an overflow still skips the step.
+    overflow the scale is multiplied by ``scale_factor`` on the next good step (DeepSpeed's count).  Static
+    mode (``dynamic=False``) never changes the scale; an overflow still skips the step.  Unlike DeepSpeed,
+    an overflow at ``min_scale`` skips the step again instead of ending the run.
     """
 
     scale: float = 1.0
@@ -58,7 +59,9 @@ class LossScaler:
         if self.consecutive_hysteresis:
             self.hysteresis_left = self.hysteresis
         self.good_steps += 1
-        if self.good_steps % self.window == 0:
+        # as DeepSpeed: the scale grows on the good step after each `window` good steps since the last
+        # overflow (or the start): steps window + 1, 2 * window + 1, ... of the run without overflow
+        if self.good_steps > 1 and (self.good_steps - 1) % self.window == 0:
             self.scale *= self.scale_factor
             if not self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
