@@ -39,7 +39,7 @@ REFUSED = {
 
 def refusals(settings: dict[str, Any]) -> list[str]:
     """One sentence per key of ``settings`` that asks for what rayzero cannot do."""
-    return [f"config key 'activation_checkpointing.{key}' = true is not supported: {why}"
+    return [f"config key 'activation_checkpointing.{key}' = true is not supported yet by rayzero: {why}"
             for key, why in REFUSED.items() if settings.get(key)]
 
 

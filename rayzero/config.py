@@ -28,6 +28,7 @@ from rayzero.config_schema import (
     Inert,
     NotSupportedYetError,
     _Section,
+    combine_problems,
     did_you_mean,
     inert_at,
     inert_when_disabled,
@@ -362,7 +363,7 @@ class ActivationCheckpointingConfig(_Section):
 
         problems = refusals(self.to_dict())
         if problems:
-            raise NotSupportedYetError("; ".join(problems))
+            raise combine_problems([NotSupportedYetError(p) for p in problems])
 
 
 @dataclass

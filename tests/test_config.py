@@ -131,7 +131,7 @@ def test_unknown_key_without_close_match_lists_known():
     "cfg, path",
     [
         ({"moe": {"enabled": True}}, "moe"),
-        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
+        ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
         ({"comet": {"enabled": True}}, "comet"),
         ({"prescale_gradients": True}, "prescale_gradients"),
         ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),

@@ -218,9 +218,6 @@ def test_inert_keys_at_their_value_and_refused_otherwise(caplog):
         "prescale_gradients": False, "gradient_predivide_factor": 1.0, "zero_allow_untested_optimizer": True,
         "tensorboard": {"enabled": False}, "wandb": {"enabled": False}, "csv_monitor": {"enabled": False},
         "comms_logger": {"enabled": False}, "flops_profiler": {"enabled": False, "profile_step": 1},
-        "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
-                                     "contiguous_memory_optimization": False, "number_checkpoints": None,
-                                     "synchronize_checkpoint_boundary": False, "profile": False},
         "wall_clock_breakdown": False,
         "bf16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
         "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
@@ -232,13 +229,13 @@ def test_inert_keys_at_their_value_and_refused_otherwise(caplog):
     assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save is True  # read, not ignored
     assert set(cfg.ignored_keys) == {
         "prescale_gradients", "gradient_predivide_factor", "zero_allow_untested_optimizer", "comms_logger",
-        "flops_profiler", "activation_checkpointing", "bf16.loss_scale", "bf16.initial_scale_power",
+        "flops_profiler", "bf16.loss_scale", "bf16.initial_scale_power",
         "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
         "zero_optimization.zero_hpz_partition_size", "zero_optimization.cpu_offload",
         "zero_optimization.round_robin_gradients", "fp16.fp16_master_weights_and_grads",
     }
     notices = _ignored_notice(caplog)
-    assert len(notices) == 1 and "14 DeepSpeed config key(s)" in notices[0]
+    assert len(notices) == 1 and "13 DeepSpeed config key(s)" in notices[0]
     assert "bf16.loss_scale = 0 (bf16 uses no loss scaling)" in notices[0]
 
     # the same keys switched on are refused, all in one error
