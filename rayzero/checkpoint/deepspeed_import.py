@@ -445,6 +445,9 @@ def _read_zero3(imp: Imported, osds: list[dict], files: list[str], n_groups: int
         imp.states[p["name"]] = {k: torch.cat([s[k][offset:offset + chunk] for s in flat_states])[:n]
                                  .reshape(p["shape"]).clone() for k in ADAM_STATES}
         offset += chunk
+    if offset != flats[0].numel():
+        raise CheckpointError(f"{imp.source}: the stage 3 partitions hold {flats[0].numel()} elements per rank, the "
+                              f"parameters' chunks {offset}; the files do not belong together")
     groups = inner0["param_groups"]
     if len(groups) != n_groups:
         raise CheckpointError(f"{files[0]}: {len(groups)} optimizer param groups, the model states list {n_groups}")
