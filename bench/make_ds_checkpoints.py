@@ -4,8 +4,9 @@ Needs DeepSpeed (a separate environment; rayzero's tests do not).  Run from the 
 
     DS_ACCELERATOR=cpu /path/to/deepspeed-venv/bin/python bench/make_ds_checkpoints.py
 
-For each case (ZeRO stage 1, 2, 3 in fp32; stage 2 in bf16) it starts 2 ranks with torchrun (gloo), trains a
-3-layer MLP with DeepSpeed's AdamW for 3 steps, saves a checkpoint, and then trains 2 more steps.  It ships,
+For each case (tests/deepspeed_import_cases.py: ZeRO stage 1, 2, 3 in fp32 and stage 2 in bf16 on 2 ranks; stages
+2 and 3 on 3 ranks with a frozen layer, a buffer and two param groups) it starts the ranks with torchrun (gloo),
+trains a 3-layer MLP with DeepSpeed's AdamW for 3 steps, saves a checkpoint, and then trains 2 more steps.  It ships,
 per case, in tests/data/deepspeed_ckpt/<case>/:
 
   ckpt/            DeepSpeed's checkpoint as saved (`latest`, global_step3/...; its copies of its scripts dropped)
@@ -14,8 +15,8 @@ per case, in tests/data/deepspeed_ckpt/<case>/:
                    exp_avg_sq, step), and the losses of the 2 steps DeepSpeed trained after the save
                    (mean over the ranks)
 
-and, for stage 2 fp32, DeepSpeed's universal checkpoint of the same save (ds_to_universal's output) in
-universal/.  The model, data and config are in tests/deepspeed_import_cases.py, which the tests share.
+and, for the cases in UNIVERSAL, DeepSpeed's universal checkpoint of the same save (ds_to_universal's output)
+in universal/.  The model, data and config are in tests/deepspeed_import_cases.py, which the tests share.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from deepspeed_import_cases import CASES, DS_SAVE_STEP, DS_STEPS_AFTER, batches, ds_config, make_model  # noqa: E402
+from deepspeed_import_cases import (CASES, DS_SAVE_STEP, DS_STEPS_AFTER, UNIVERSAL, batches, ds_config,  # noqa: E402
+                                    make_model, model_parameters)
 
 OUT = os.path.join(ROOT, "tests", "data", "deepspeed_ckpt")
 
@@ -43,14 +45,14 @@ def rank_main(case: str, save_dir: str, result: str) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    stage, dtype = CASES[case]
-    model = make_model()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(stage, dtype, world, scheduler=case == "zero1_fp32"))
+    c = CASES[case]
+    model = make_model(c)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters(model, c),
+                                           config=ds_config(c, c.stage, world))
     per_rank = engine.train_micro_batch_size_per_gpu()
-    compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+    compute = torch.bfloat16 if c.dtype == "bf16" else torch.float32
     losses = []
-    for i, (x, y) in enumerate(batches(DS_SAVE_STEP + DS_STEPS_AFTER)):
+    for i, (x, y) in enumerate(batches(c, DS_SAVE_STEP + DS_STEPS_AFTER)):
         if i == DS_SAVE_STEP:
             # ds_to_universal needs this key; a plain model has nothing to put in it
             engine.save_checkpoint(save_dir, client_state={"universal_checkpoint_info": {}})
@@ -95,7 +97,7 @@ def make(case: str) -> None:
     with tempfile.TemporaryDirectory() as work:
         save_dir, result = os.path.join(work, "ckpt"), os.path.join(work, "result.pt")
         env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(CASES[case].world),
                         "--master_port", str(29500 + os.getpid() % 1000), os.path.abspath(__file__),
                         "--rank-main", case, save_dir, result], check=True, env=env)
         tag = open(os.path.join(save_dir, "latest")).read().strip()
@@ -105,7 +107,7 @@ def make(case: str) -> None:
         for f in glob.glob(os.path.join(save_dir, "*.py")):  # DeepSpeed's copies of its conversion scripts
             os.remove(f)
         shutil.copytree(save_dir, os.path.join(dest, "ckpt"))
-        if case == "zero2_fp32":
+        if case in UNIVERSAL:
             shutil.copytree(uni["universal_dir"], os.path.join(dest, "universal"))
         torch.save({
             "fp32": {k: v.contiguous().detach().clone() for k, v in fp32.items()},

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import rayzero
-from deepspeed_import_cases import CASES, DS_SAVE_STEP, DS_STEPS_AFTER, batches, ds_config, make_model
+from deepspeed_import_cases import (CASES, DS_SAVE_STEP, DS_STEPS_AFTER, LR, UNIVERSAL, WEIGHT_DECAY, batches,
+                                    ds_config, make_model, model_parameters)
 from distributed import run_distributed
 from rayzero.checkpoint.deepspeed_import import import_deepspeed
 from rayzero.checkpoint.format import CheckpointError
@@ -23,9 +24,10 @@ from rayzero.checkpoint.storage import Storage
 from rayzero.checkpoint.tools import verify
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "deepspeed_ckpt")
-# every DeepSpeed checkpoint imported: the ZeRO ones, and DeepSpeed's universal checkpoint of zero2_fp32
-SOURCES = {**{c: os.path.join(DATA, c, "ckpt") for c in CASES}, "universal": os.path.join(DATA, "zero2_fp32", "universal")}
-CASE_OF = {**{c: c for c in CASES}, "universal": "zero2_fp32"}
+# every DeepSpeed checkpoint imported: the ZeRO ones, and DeepSpeed's universal checkpoints of some of them
+SOURCES = {**{c: os.path.join(DATA, c, "ckpt") for c in CASES},
+           **{f"{c}_universal": os.path.join(DATA, c, "universal") for c in UNIVERSAL}}
+CASE_OF = {**{c: c for c in CASES}, **{f"{c}_universal": c for c in UNIVERSAL}}
 # measured: within 6e-8 of DeepSpeed (fp32) and equal (bf16); the target is 2e-4
 LOSS_TOL = {"fp32": 1e-5, "bf16": 1e-3}
 
@@ -57,6 +59,10 @@ def _read(save_dir: str) -> tuple[dict, dict]:
             t = torch.empty(p["numel"], dtype=torch.float32)
             index.fill(p["name"], state, 0, p["numel"], t)
             out[p["name"], state] = t.view(p["shape"])
+    for w in manifest["whole"]:
+        t = torch.empty(w["shape"], dtype=getattr(torch, w["dtype"]))
+        index.fill(w["name"], "whole", 0, t.numel(), t.view(-1))
+        out[w["name"], "whole"] = t
     return manifest, out
 
 
@@ -65,24 +71,35 @@ def test_import_carries_deepspeeds_masters_optimizer_state_and_step(imported, so
     ref = reference(source)
     save_dir = imported[source]
     assert verify(save_dir) == []
+    case = CASES[CASE_OF[source]]
     manifest, tensors = _read(save_dir)
-    assert [p["name"] for p in manifest["params"]] == list(ref["fp32"])
-    for name, w in ref["fp32"].items():  # DeepSpeed's zero_to_fp32, bit for bit
-        assert torch.equal(tensors[name, "fp32"], w), name
-    for name, states in ref["optimizer"].items():  # DeepSpeed's ds_to_universal, per parameter
+    trainable = [n for n, p in make_model(case).named_parameters() if p.requires_grad]
+    assert sorted(p["name"] for p in manifest["params"]) == sorted(trainable)
+    assert sorted(w["name"] for w in manifest["whole"]) == sorted(set(ref["fp32"]) - set(trainable))
+    assert sorted(ref["fp32"]) == sorted(make_model(case).state_dict())
+    for name, w in ref["fp32"].items():  # DeepSpeed's zero_to_fp32 (weights, frozen ones, buffers), bit for bit
+        assert torch.equal(tensors[name, "fp32"] if name in trainable else tensors[name, "whole"].float(), w), name
+    for name in trainable:  # DeepSpeed's ds_to_universal, per parameter
+        states = ref["optimizer"][name]
         shape = ref["fp32"][name].shape
         for state in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(tensors[name, state], states[state].reshape(shape)), (name, state)
         if "step" in states:  # (DeepSpeed's universal form of a stage 3 checkpoint has none)
             assert states["step"].item() == DS_SAVE_STEP
     assert manifest["global_steps"] == DS_SAVE_STEP
-    assert manifest["global_samples"] == DS_SAVE_STEP * 8
-    (group,) = manifest["optimizer"]["param_groups"]
-    assert group["state"]["step"]["value"] == DS_SAVE_STEP
+    assert manifest["global_samples"] == DS_SAVE_STEP * case.batch
     assert manifest["optimizer"]["type"] == "AdamW"
-    assert group["lr"] == 1e-2 and group["weight_decay"] == 0.01
-    stage, dtype = CASES[CASE_OF[source]]
-    assert manifest["compute_dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    groups = manifest["optimizer"]["param_groups"]
+    # DeepSpeed's param groups, in order, with their members, settings and step
+    assert len(groups) == (2 if case.extras else 1)
+    for gi, group in enumerate(groups):
+        assert group["state"]["step"]["value"] == DS_SAVE_STEP
+        members = [p["name"] for p in manifest["params"] if p["group"] == gi]
+        assert group["params"] == members
+        if case.extras:
+            assert members == [n for n in trainable if n.endswith("weight" if gi == 0 else "bias")]
+        assert (group["lr"], group["weight_decay"]) == ((LR, WEIGHT_DECAY) if gi == 0 else (2 * LR, 0.0))
+    assert manifest["compute_dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[case.dtype]
     assert {p["dtype"] for p in manifest["params"]} == {manifest["compute_dtype"]}
     if source == "zero1_fp32":  # DeepSpeed's WarmupLR had stepped 3 times (its last_batch_iteration 2)
         assert manifest["scheduler"]["last_epoch"] == DS_SAVE_STEP
@@ -95,15 +112,16 @@ def continue_training(rank: int, world: int, save_dirs: dict[str, str], stages: 
     """Load each import into a rayzero engine of this world size (at another stage than DeepSpeed's) and
     train DeepSpeed's next steps on this rank's share of the same batches: the mean losses."""
     out = {}
-    data = batches(DS_SAVE_STEP + DS_STEPS_AFTER)[DS_SAVE_STEP:]
     for source, save_dir in save_dirs.items():
-        _, dtype = CASES[CASE_OF[source]]
-        model = make_model(seed=123)  # other weights: the load must replace them all
-        engine = rayzero.initialize(model, ds_config(stages[source], dtype, world, scheduler=CASE_OF[source] == "zero1_fp32"))
+        case = CASES[CASE_OF[source]]
+        data = batches(case, DS_SAVE_STEP + DS_STEPS_AFTER)[DS_SAVE_STEP:]
+        model = make_model(case, seed=123)  # other weights: the load must replace them all
+        engine = rayzero.initialize(model, ds_config(case, stages[source], world),
+                                    model_parameters=model_parameters(model, case))
         engine.load_checkpoint(save_dir)
         assert engine.global_steps == DS_SAVE_STEP
-        per = 8 // world
-        compute = torch.bfloat16 if dtype == "bf16" else torch.float32
+        per = case.batch // world
+        compute = torch.bfloat16 if case.dtype == "bf16" else torch.float32
         losses = []
         for x, y in data:
             xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
@@ -122,7 +140,7 @@ def continue_training(rank: int, world: int, save_dirs: dict[str, str], stages: 
 def _check_losses(got: dict, world: int) -> None:
     for source, losses in got.items():
         ref = reference(source)["losses_after"]
-        tol = LOSS_TOL[CASES[CASE_OF[source]][1]]
+        tol = LOSS_TOL[CASES[CASE_OF[source]].dtype]
         assert losses == pytest.approx(ref, abs=tol), (source, world, losses, ref)
 
 
@@ -133,7 +151,7 @@ def test_deepspeed_run_continues_under_rayzero_at_world_1(imported):
 
 def test_deepspeed_run_continues_under_rayzero_at_world_2(imported):
     # each at a stage DeepSpeed did not save it at
-    stages = {s: {1: 3, 2: 1, 3: 2}[CASES[CASE_OF[s]][0]] for s in imported}
+    stages = {s: {1: 3, 2: 1, 3: 2}[CASES[CASE_OF[s]].stage] for s in imported}
     (got, _) = run_distributed(continue_training, 2, imported, stages)
     _check_losses(got, 2)
 

@@ -462,7 +462,8 @@ def read_universal(d: str, tag: str | None) -> Imported:
     if not model_files:
         raise CheckpointError(f"{d} has zero/ but no mp_rank_00_model_states.pt: the universal checkpoint is "
                               "incomplete (ds_to_universal copies it there)")
-    ms = load_pickle(model_files[0])
+    all_ms = [load_pickle(f) for f in model_files]  # (stage 3: one per rank, each with its frozen chunks)
+    ms = all_ms[0]
     params, _ = _param_list(ms)
     opt_path = os.path.join(d, "zero", "optimizer_state.pt")
     opt = load_pickle(opt_path) if os.path.isfile(opt_path) else {}
@@ -509,7 +510,7 @@ def read_universal(d: str, tag: str | None) -> Imported:
     # that was not skipped
     taken = float(int(ms.get("global_steps", 0) or 0) - int(ms.get("skipped_steps", 0) or 0))
     imp.group_steps = [taken if s is None else s for s in steps]
-    imp.whole = _whole_tensors([ms], 2, 1)
+    imp.whole = _whole_tensors(all_ms, 3 if imp.stage == 3 else 2, len(all_ms))
     return imp
 
 
