@@ -20,7 +20,8 @@ class Case:
     batch: int = 8  # the global batch
     scheduler: bool = False  # DeepSpeed's WarmupLR, warmed up before the save (so the steps after it run
     # at the full lr in DeepSpeed and in rayzero alike)
-    extras: bool = False  # a frozen layer, a buffer, and two param groups (decay / no decay, their own lr)
+    extras: bool = False  # a frozen layer, a tied weight, a buffer, and two param groups (decay / no decay,
+    # their own lr)
 
 
 CASES = {
@@ -43,6 +44,9 @@ class MLP(torch.nn.Module):
         self.frozen = torch.nn.Linear(IN, IN).requires_grad_(False) if extras else None
         self.fc1 = torch.nn.Linear(IN, HIDDEN)
         self.fc2 = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.tied = torch.nn.Linear(HIDDEN, HIDDEN, bias=False) if extras else None
+        if extras:
+            self.tied.weight = self.fc2.weight  # one parameter under two names, as tied embeddings are
         self.fc3 = torch.nn.Linear(HIDDEN, OUT)
         if extras:
             self.register_buffer("shift", torch.linspace(-0.2, 0.3, OUT))
@@ -52,7 +56,10 @@ class MLP(torch.nn.Module):
     def forward(self, x):
         if self.frozen is not None:
             x = torch.tanh(self.frozen(x))
-        y = self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+        h = torch.tanh(self.fc2(torch.tanh(self.fc1(x))))
+        if self.tied is not None:
+            h = torch.tanh(self.tied(h))
+        y = self.fc3(h)
         return y if self.shift is None else y + self.shift.to(y.dtype)
 
 
