@@ -4,7 +4,7 @@ Needs DeepSpeed (a separate environment; rayzero's tests do not).  Run from the 
 
     DS_ACCELERATOR=cpu /path/to/deepspeed-venv/bin/python bench/make_ds_checkpoints.py
 
-For each case (tests/deepspeed_import_cases.py: ZeRO stage 1, 2, 3 in fp32 and stage 2 in bf16 on 2 ranks; stages
+For each case (tests/deepspeed_import_cases.py: ZeRO stage 1, 2, 3 in fp32 and stages 1, 2 in bf16 on 2 ranks; stages
 2 and 3 on 3 ranks with a frozen layer, a tied weight, a buffer and two param groups) it starts the ranks with torchrun (gloo),
 trains a 3-layer MLP with DeepSpeed's AdamW for 3 steps, saves a checkpoint, and then trains 2 more steps.  It ships,
 per case, in tests/data/deepspeed_ckpt/<case>/:

@@ -29,6 +29,7 @@ CASES = {
     "zero2_fp32": Case(2),
     "zero3_fp32": Case(3),
     "zero2_bf16": Case(2, "bf16"),
+    "zero1_bf16": Case(1, "bf16"),
     "zero2_extras_w3": Case(2, world=3, batch=12, extras=True),
     "zero3_extras_w3": Case(3, world=3, batch=12, extras=True),
 }
