@@ -184,6 +184,12 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, imported):
     _fails(str(broken), out, "saved by 2 ranks but holds 1 optimizer-states files")
     os.remove(broken / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     _fails(str(broken), out, "has no .*optim_states.pt files")
+    # rank files of two different saves
+    mixed = tmp_path / "mixed"
+    shutil.copytree(SOURCES["zero2_fp32"], mixed)
+    shutil.copy(os.path.join(SOURCES["zero2_extras_w3"], "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                mixed / "global_step3")
+    _fails(str(mixed), out, "zero_pp_rank_1_mp_rank_00_optim_states.pt has 2 param groups, the model states list 1")
     # a pickle that names anything but tensors, containers and DeepSpeed's classes is not loaded
     evil = tmp_path / "evil"
     shutil.copytree(SOURCES["zero2_fp32"], evil)

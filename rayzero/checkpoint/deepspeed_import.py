@@ -412,6 +412,10 @@ def _read_zero12(imp: Imported, osds: list[dict], files: list[str], n_groups: in
             imp.masters[p["name"]] = flat[offset:offset + n].reshape(p["shape"]).clone()
             imp.states[p["name"]] = {k: v[offset:offset + n].reshape(p["shape"]).clone() for k, v in flat_states.items()}
             offset += n + (pads[i] if pads else 0)
+        # what is left is the group's padding, less than DeepSpeed's alignment of 2 x world elements
+        if not 0 <= flat.numel() - offset < 2 * imp.saved_world:
+            raise CheckpointError(f"{imp.source}: param group {gi}'s partitions hold {flat.numel()} elements, its "
+                                  f"parameters {offset}; the files do not belong together")
         imp.group_hparams.append(_group_hparams(base_groups[gi]))
         imp.group_steps.append(step)
 
