@@ -4,7 +4,8 @@ Needs DeepSpeed (a separate environment; rayzero's tests do not).  Run from the 
 
     DS_ACCELERATOR=cpu /path/to/deepspeed-venv/bin/python bench/make_ds_checkpoints.py
 
-For each case (tests/deepspeed_import_cases.py: ZeRO stage 1, 2, 3 in fp32 and stages 1, 2 in bf16 on 2 ranks; stages
+For each case (tests/deepspeed_import_cases.py: ZeRO stage 1, 2, 3 in fp32, stages 1, 2 in bf16
+and a model in a wrapper on 2 ranks; stages
 2 and 3 on 3 ranks with a frozen layer, a tied weight, a buffer and two param groups) it starts the ranks with torchrun (gloo),
 trains a 3-layer MLP with DeepSpeed's AdamW for 3 steps, saves a checkpoint, and then trains 2 more steps.  It ships,
 per case, in tests/data/deepspeed_ckpt/<case>/:
@@ -33,7 +34,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from deepspeed_import_cases import (CASES, DS_SAVE_STEP, DS_STEPS_AFTER, UNIVERSAL, batches, ds_config,  # noqa: E402
-                                    make_model, model_parameters)
+                                    Wrapper, make_model, model_parameters)
 
 OUT = os.path.join(ROOT, "tests", "data", "deepspeed_ckpt")
 
@@ -47,6 +48,8 @@ def rank_main(case: str, save_dir: str, result: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     c = CASES[case]
     model = make_model(c)
+    if c.wrapped:
+        model = Wrapper(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model_parameters(model, c),
                                            config=ds_config(c, c.stage, world))
     per_rank = engine.train_micro_batch_size_per_gpu()

@@ -20,6 +20,7 @@ class Case:
     batch: int = 8  # the global batch
     scheduler: bool = False  # DeepSpeed's WarmupLR, warmed up before the save (so the steps after it run
     # at the full lr in DeepSpeed and in rayzero alike)
+    wrapped: bool = False  # DeepSpeed trained the model inside a wrapper (names "module.<name>")
     extras: bool = False  # a frozen layer, a tied weight, a buffer, and two param groups (decay / no decay,
     # their own lr)
 
@@ -30,6 +31,7 @@ CASES = {
     "zero3_fp32": Case(3),
     "zero2_bf16": Case(2, "bf16"),
     "zero1_bf16": Case(1, "bf16"),
+    "zero2_wrapped": Case(2, wrapped=True),
     "zero2_extras_w3": Case(2, world=3, batch=12, extras=True),
     "zero3_extras_w3": Case(3, world=3, batch=12, extras=True),
 }
@@ -62,6 +64,15 @@ class MLP(torch.nn.Module):
             h = torch.tanh(self.tied(h))
         y = self.fc3(h)
         return y if self.shift is None else y + self.shift.to(y.dtype)
+
+
+class Wrapper(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
 
 
 def make_model(case: Case, seed: int = 0) -> MLP:

@@ -522,7 +522,26 @@ def read(src: str, tag: str | None = None) -> Imported:
     """Read the DeepSpeed checkpoint at ``src`` (see :func:`find_checkpoint`) whole, checking it as it goes."""
     kind, d, found = find_checkpoint(src, tag)
     with torch.no_grad():
-        return read_universal(d, found) if kind == "universal" else read_zero(d, found)
+        imp = read_universal(d, found) if kind == "universal" else read_zero(d, found)
+    _strip_wrapper_prefix(imp)
+    return imp
+
+
+WRAPPER_PREFIX = "module."
+
+
+def _strip_wrapper_prefix(imp: Imported) -> None:
+    """A model saved inside a wrapper (its names all ``module.<name>``) is imported under the inner model's
+    names, the ones the model that loads the import has."""
+    names = [p["name"] for p in imp.params] + [a for p in imp.params for a in p["aliases"]] + list(imp.whole)
+    if not names or not all(n.startswith(WRAPPER_PREFIX) for n in names):
+        return
+    cut = len(WRAPPER_PREFIX)
+    for p in imp.params:
+        p["name"], p["aliases"] = p["name"][cut:], [a[cut:] for a in p["aliases"]]
+    imp.masters = {n[cut:]: t for n, t in imp.masters.items()}
+    imp.states = {n[cut:]: t for n, t in imp.states.items()}
+    imp.whole = {n[cut:]: t for n, t in imp.whole.items()}
 
 
 # ---- writing it as a rayzero checkpoint ---------------------------------------------------------------------
