@@ -4,11 +4,10 @@ Needs DeepSpeed (a separate environment; rayzero's tests do not).  Run from the 
 
     DS_ACCELERATOR=cpu /path/to/deepspeed-venv/bin/python bench/make_ds_checkpoints.py
 
-For each case (tests/deepspeed_import_cases.py: ZeRO stage 1, 2, 3 in fp32, stages 1, 2 in bf16
-and a model in a wrapper on 2 ranks; stages
-2 and 3 on 3 ranks with a frozen layer, a tied weight, a buffer and two param groups) it starts the ranks with torchrun (gloo),
-trains a 3-layer MLP with DeepSpeed's AdamW for 3 steps, saves a checkpoint, and then trains 2 more steps.  It ships,
-per case, in tests/data/deepspeed_ckpt/<case>/:
+For each case (tests/deepspeed_import_cases.py: ZeRO stages 1, 2, 3 in fp32, stages 1, 2 in bf16 and a model
+in a wrapper, on 2 ranks; stages 2 and 3 on 3 ranks with a frozen layer, a tied weight, a buffer and two param
+groups) it starts the ranks with torchrun (gloo), trains a 3-layer MLP with DeepSpeed's AdamW for 3 steps,
+saves a checkpoint, and then trains 2 more steps.  It ships, per case, in tests/data/deepspeed_ckpt/<case>/:
 
   ckpt/            DeepSpeed's checkpoint as saved (`latest`, global_step3/...; its copies of its scripts dropped)
   reference.pt     plain tensors only: DeepSpeed's consolidated fp32 weights (its zero_to_fp32), the
