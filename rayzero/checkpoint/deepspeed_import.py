@@ -570,6 +570,9 @@ def _loss_scaler_state(imp: Imported) -> dict:
             if ds_key in v and isinstance(v[ds_key], (int, float, bool)):
                 state[key] = type(state[key])(v[ds_key])
         state["dynamic"] = bool(v.get("dynamic", imp.dynamic_loss_scale))
+        it, last = v.get("cur_iter"), v.get("last_overflow_iter")
+        if isinstance(it, int) and isinstance(last, int) and state["dynamic"]:
+            state["good_steps"] = max(it - last - 1, 0)  # the steps since the last overflow
     return state
 
 
