@@ -233,3 +233,19 @@ def test_placeholders_keep_deepspeeds_values():
     # rank 1's partition starts with fc2.weight's last 29 elements (rank 0 holds 35 + 7 + 20 = 62)
     addr = osd["param_slice_mappings"][0]["fc2.weight"]
     assert (addr.numel, addr.start) == (29, 0)
+
+
+def test_dynamic_loss_scaler_state_maps_to_rayzeros():
+    """DeepSpeed's DynamicLossScaler fields (runtime/fp16/loss_scaler.py) as rayzero's loss scaler state: an
+    fp16 run 4 steps after an overflow at iteration 6, with one unit of hysteresis left."""
+    from rayzero.checkpoint.deepspeed_import import Imported, _loss_scaler_state, _placeholder
+
+    scaler = _placeholder("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")()
+    scaler.__setstate__({"cur_scale": 1024.0, "cur_iter": 10, "last_overflow_iter": 6, "scale_factor": 2.0,
+                         "scale_window": 100, "min_scale": 1.0, "delayed_shift": 2, "cur_hysteresis": 1,
+                         "consecutive_hysteresis": False, "dynamic": True})
+    state = _loss_scaler_state(Imported(kind="zero", source="", tag=None, stage=2, saved_world=2, loss_scaler=scaler))
+    assert {k: state[k] for k in ("scale", "dynamic", "window", "hysteresis", "hysteresis_left", "min_scale",
+                                  "scale_factor", "good_steps", "consecutive_hysteresis")} == {
+        "scale": 1024.0, "dynamic": True, "window": 100, "hysteresis": 2, "hysteresis_left": 1, "min_scale": 1.0,
+        "scale_factor": 2.0, "good_steps": 3, "consecutive_hysteresis": False}
