@@ -1,4 +1,4 @@
-"""The ``rayzero`` command.  ``rayzero ckpt inspect|verify|export``; more groups plug in as subparsers.
+"""The ``rayzero`` command.  ``rayzero ckpt inspect|verify|export|import-deepspeed``; more groups plug in as subparsers.
 
 Exit codes: 0 success, 1 a check failed (``verify`` found problems), 2 an error (bad checkpoint path,
 unreadable manifest, bad arguments).
@@ -47,8 +47,18 @@ def _ckpt_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _ckpt_import_deepspeed(args: argparse.Namespace) -> int:
+    from rayzero.checkpoint.deepspeed_import import import_deepspeed
+
+    s = import_deepspeed(args.dir, args.out, tag=args.tag)
+    print(f"imported DeepSpeed {s['kind']} checkpoint {s['source']} (ZeRO stage {s['stage']}, saved by "
+          f"{s['saved_world']} ranks, step {s['global_steps']}): {s['params']} parameters with fp32 masters and "
+          f"Adam state, written to {s['path']}")
+    return EXIT_OK
+
+
 def _add_ckpt(sub: argparse._SubParsersAction) -> None:
-    ckpt = sub.add_parser("ckpt", help="inspect, verify and export universal checkpoints")
+    ckpt = sub.add_parser("ckpt", help="inspect, verify, export and import (from DeepSpeed) universal checkpoints")
     cmds = ckpt.add_subparsers(dest="ckpt_command", metavar="COMMAND", required=True)
     where = "a save directory (tag from its 'latest') or a checkpoint directory; local path or pyarrow.fs URI"
 
@@ -69,6 +79,14 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tag", help="checkpoint tag (default: the one 'latest' names)")
     p.add_argument("--format", choices=["safetensors", "torch"], help="override the format the suffix implies")
     p.set_defaults(run=_ckpt_export)
+
+    p = cmds.add_parser("import-deepspeed", help="convert a DeepSpeed ZeRO 1-3 or universal checkpoint into a "
+                        "rayzero checkpoint (fp32 masters, Adam state, step)")
+    p.add_argument("dir", help="DeepSpeed's checkpoint directory (with 'latest'), a tag's folder in it, or "
+                   "ds_to_universal's output folder")
+    p.add_argument("out", help="rayzero save directory to write (local path or pyarrow.fs URI)")
+    p.add_argument("--tag", help="DeepSpeed tag to import (default: the one 'latest' names)")
+    p.set_defaults(run=_ckpt_import_deepspeed)
 
 
 def _plot(args: argparse.Namespace) -> int:
