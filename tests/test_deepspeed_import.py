@@ -111,7 +111,7 @@ def test_import_carries_deepspeeds_masters_optimizer_state_and_step(imported, so
     assert manifest["compute_dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[case.dtype]
     assert {p["dtype"] for p in manifest["params"]} == {manifest["compute_dtype"]}
     if source == "zero1_fp32":  # DeepSpeed's WarmupLR had stepped 3 times (its last_batch_iteration 2)
-        assert manifest["scheduler"]["last_epoch"] == DS_SAVE_STEP
+        assert manifest["scheduler"]["last_batch_iteration"] == DS_SAVE_STEP - 1
         assert manifest["scheduler"]["deepspeed"] == {"last_batch_iteration": DS_SAVE_STEP - 1}
     else:
         assert manifest["scheduler"] is None

@@ -577,12 +577,12 @@ def _loss_scaler_state(imp: Imported) -> dict:
 
 
 def _scheduler_state(imp: Imported) -> dict | None:
-    """DeepSpeed's schedulers keep ``last_batch_iteration`` (-1 before the first step); rayzero's keep torch's
-    ``last_epoch``, the number of scheduler steps taken, which is one more."""
+    """DeepSpeed's schedulers keep ``last_batch_iteration`` (-1 before the first step), and so do rayzero's
+    (rayzero/optim/schedulers.py, stepped as DeepSpeed steps them): the position carries over as it is."""
     sd = imp.model_states.get("lr_scheduler")
     if not isinstance(sd, dict) or "last_batch_iteration" not in sd:
         return None
-    return {"last_epoch": int(sd["last_batch_iteration"]) + 1,
+    return {"last_batch_iteration": int(sd["last_batch_iteration"]),
             "deepspeed": {k: v for k, v in sd.items() if _is_json(v)}}
 
 
