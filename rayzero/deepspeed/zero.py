@@ -150,6 +150,7 @@ class GatheredParameters:
         engine._host_copies_done()
         parts.settle_exposed_reads()
         touched = {}
+        gathered = {id(p) for p in self._gathered}
         for p in self.params:
             e = parts.entry_of[p]
             g = parts.group_of(e)
@@ -169,7 +170,7 @@ class GatheredParameters:
                 shard_of(value, e, g.rank, out)
             else:  # not partitioned (stage 0): the rank holds the whole parameter
                 out[: e.numel].copy_(value)
-            if p not in self._gathered and p.data.data_ptr() != out.data_ptr():
+            if id(p) not in gathered and p.data.data_ptr() != out.data_ptr():
                 # whole on every rank (stages 0-2, stage 3's persistent ones): every copy takes the value
                 p.data.copy_(value.view(e.shape).to(p.dtype))
             touched[e.group_index] = g
