@@ -17,6 +17,7 @@ import torch
 from rayzero.config import Config, ConfigError, NotSupportedYetError
 from rayzero.zero.init import zero_init
 from rayzero.zero.layout import shard_of
+from rayzero.zero.stage3 import _mark_gathered, _mark_released
 
 __all__ = ["GatheredParameters", "Init"]
 
@@ -126,6 +127,7 @@ class GatheredParameters:
                 if p in managed:
                     e = entry_of[p]
                     p.data = engine.partitions.gather_full(e).to(engine.compute_dtype)
+                    _mark_gathered(p)
                     self._gathered.append(p)
         return self
 
@@ -140,6 +142,7 @@ class GatheredParameters:
             if engine.gatherer is not None:
                 for p in self._gathered:
                     p.data = engine.gatherer._placeholder
+                    _mark_released(p)
             self._gathered = []
         return False
 
