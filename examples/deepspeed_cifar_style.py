@@ -4,14 +4,15 @@ Only the import lines differ between the two: ``RAYZERO_DEEPSPEED=1`` takes Deep
 ``rayzero.deepspeed``, anything else from DeepSpeed itself.  The model is a small CNN and the data are
 images this script generates from a fixed seed (no downloads).  Run it on 2 ranks with torchrun:
 
-    torchrun --nproc_per_node 2 examples/deepspeed_cifar_style.py --deepspeed_config CONFIG.json \\
+    torchrun --nproc_per_node 2 examples/deepspeed_cifar_style.py \\
+        --deepspeed_config examples/deepspeed_cifar_style.json \\
         --ckpt_dir /tmp/ckpt --out losses.json          # under DeepSpeed: DS_ACCELERATOR=cpu on a CPU host
     RAYZERO_DEEPSPEED=1 torchrun --nproc_per_node 2 examples/deepspeed_cifar_style.py ...   # under rayzero
 
 It trains ``--steps`` micro-steps, saves a checkpoint half-way (tag: a float), goes on to the end, loads
 the checkpoint back with ``_, client_sd = engine.load_checkpoint(dir)``, runs the second half's batches
 again, and consolidates the checkpoint with ``zero_to_fp32``.  Rank 0 writes every per-step loss (both
-ranks', and their mean), the learning rates and the checkpoint round trip's numbers to ``--out``.
+ranks', and their mean), the learning rates, the global gradient norms and the checkpoint round trip's numbers to ``--out``.
 """
 
 import argparse
