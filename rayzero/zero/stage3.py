@@ -105,6 +105,62 @@ def _outermost(model: torch.nn.Module, chosen) -> list[torch.nn.Module]:
     return out
 
 
+# Tensor methods that read only a released parameter's metadata, or register hooks on it: allowed.  Every
+# other torch call on it (a read of its values) raises ``ReleasedParameterError``.
+_METADATA_CALLS = frozenset({
+    "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+    "data_ptr", "untyped_storage", "_typed_storage", "storage_offset", "is_contiguous", "stride", "get_device",
+    "is_pinned", "_is_view", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_",
+    "__hash__", "__reduce_ex__", "__deepcopy__", "__setstate__",
+})
+
+
+class ReleasedParameterError(RuntimeError):
+    """A ZeRO stage-3 parameter's values were read where it is not gathered (outside its module's forward)."""
+
+
+class ReleasedParameter(torch.nn.Parameter):
+    """The class a managed stage-3 parameter has while it is released (its ``data`` an empty placeholder):
+    a torch call that reads its values raises ``ReleasedParameterError`` naming the parameter and the fix,
+    instead of computing on the empty tensor.  Gathering gives the parameter back its own class, so
+    nothing of this runs inside a forward or backward; attribute access (``.data``, ``.grad``,
+    ``.shape``, ...) and the metadata calls above always work."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__", "__delete__") or name in _METADATA_CALLS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        released = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, ReleasedParameter)]
+        raise ReleasedParameterError(_released_message(released[0] if released else None, name))
+
+    def __repr__(self) -> str:
+        return (f"<ZeRO stage 3 parameter {getattr(self, '_rayzero_name', '?')!r} of shape "
+                f"{tuple(getattr(self, '_rayzero_shape', ()))}, partitioned: not gathered here>")
+
+
+def _released_message(p, call: str) -> str:
+    name = getattr(p, "_rayzero_name", "?")
+    shape = tuple(getattr(p, "_rayzero_shape", ()))
+    return (
+        f"{call}() read ZeRO stage 3 parameter {name!r} (shape {shape}) where it is not gathered: outside the "
+        "forward of its module, each rank holds only its shard and the parameter's data is an empty "
+        "placeholder. Read it inside `with rayzero.deepspeed.zero.GatheredParameters(param):` (with "
+        "modifier_rank=R to change it), or take the whole weights with engine.full_state_dict()"
+    )
+
+
+def _mark_released(p: torch.nn.Parameter) -> None:
+    if type(p) is torch.nn.Parameter:  # (a parameter subclass of the user's keeps its class)
+        p.__class__ = ReleasedParameter
+
+
+def _mark_gathered(p: torch.nn.Parameter) -> None:
+    if type(p) is ReleasedParameter:
+        p.__class__ = torch.nn.Parameter
+
+
 @dataclass(eq=False)
 class Unit:
     module: torch.nn.Module
@@ -145,6 +201,7 @@ class ParamGatherer:
             p: torch.empty(0, dtype=compute_dtype, device=partitions.device).untyped_storage() for p in self.managed
         }
         for p in self.managed:
+            p._rayzero_name, p._rayzero_shape = partitions.entry_of[p].name, partitions.entry_of[p].shape
             self._free(p)
         for p in self.persistent:
             p.data = p.data.to(compute_dtype)
@@ -200,6 +257,8 @@ class ParamGatherer:
         params = [p for p in params if p in self.managed_set]
         if not params:
             return
+        for p in params:
+            _mark_gathered(p)
         gone = set(params)
         self.shared |= gone
         self.managed = [p for p in self.managed if p not in gone]
@@ -235,6 +294,7 @@ class ParamGatherer:
         return out.set_(storage, 0, (world, e.chunk))
 
     def _free(self, p: torch.nn.Parameter) -> None:
+        _mark_released(p)
         p.data = self._placeholder
         # views autograd saved during a forward share this storage: emptying it frees them too
         self._storage[p].resize_(0)
@@ -301,6 +361,7 @@ class ParamGatherer:
                     whole = self._whole(p)
                     whole.copy_(rows[:, col_of[p] : col_of[p] + e.chunk])
                 p.data = whole.view(-1)[: e.numel].view(e.shape)
+                _mark_gathered(p)
                 self.gathered.add(p)
 
     @torch.no_grad()
@@ -424,6 +485,7 @@ class ParamGatherer:
         self._storage.clear()
         stand_in = torch.full((1,), float("nan"), dtype=self.compute_dtype, device=self.partitions.device)
         for p in self.managed + list(self.shared):
+            _mark_gathered(p)  # (destroy's stand-ins say what happened when the model runs)
             p.data = stand_in.expand(self.partitions.entry_of[p].shape)
             p._rayzero_destroyed = True
         for u in self.units + self.dropped_units:
