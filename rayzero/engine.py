@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from rayzero.accelerator import bind_rank_device, get_accelerator
-from rayzero.accelerator.host_allocator import configure_host_allocator, give_back_now
+from rayzero.accelerator.host_allocator import configure_host_allocator, end_of_set_up, give_back_now
 from rayzero.checkpoint.engine_io import CheckpointIO
 from rayzero.checkpoint.engine_io import load as checkpoint_load
 from rayzero.checkpoint.format import CheckpointError
@@ -88,7 +88,7 @@ class Engine:
         except BaseException:
             self.parallel.destroy()  # the groups made above would otherwise outlive a failed set-up
             raise
-        give_back_now()  # with offload: what set-up freed leaves the process (host_allocator.py)
+        end_of_set_up()  # what set-up freed leaves the process, under either policy (host_allocator.py)
         _live_engines.add(self)
 
     def _build(self, model: torch.nn.Module, model_parameters: Iterable | None) -> None:

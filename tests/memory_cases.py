@@ -119,6 +119,21 @@ def _status_mib(field: str) -> float:
     raise KeyError(field)
 
 
+def _malloc_held_mib() -> float:
+    """MiB glibc's malloc has handed out and not had back: blocks in use in its heaps plus its own mappings
+    (``mallinfo2``: ``uordblks + hblkhd``); free blocks the heap keeps are not in it."""
+    import ctypes
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = Mallinfo2
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
+
+
 def peak_rss_over_baseline(rank: int, world: int, zero: dict, dim: int, hidden: int, blocks: int) -> dict:
     """Peak RSS (VmHWM) of one rank over its own warm baseline, set-up included: the model built under
     ``zero_init``, ``initialize``, and three steps, with the config's defaults besides ``zero``; in the
@@ -136,6 +151,7 @@ def peak_rss_over_baseline(rank: int, world: int, zero: dict, dim: int, hidden: 
     ctypes.CDLL(None).malloc_trim(0)
     dist.barrier()
     baseline = _status_mib("VmRSS")
+    anon0, held0 = _status_mib("RssAnon"), _malloc_held_mib()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM starts again from the current RSS
     cfg = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 4,
@@ -144,12 +160,15 @@ def peak_rss_over_baseline(rank: int, world: int, zero: dict, dim: int, hidden: 
         model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.GELU(),
                                                           torch.nn.Linear(hidden, dim)) for _ in range(blocks)])
     engine = rayzero.initialize(model, cfg)
+    # after set-up: the anonymous memory it added, and how much of that the allocator's live blocks explain
+    setup = {"anon_mib": _status_mib("RssAnon") - anon0, "held_mib": _malloc_held_mib() - held0}
     g = torch.Generator().manual_seed(rank)
     for _ in range(3):
         x = torch.randn(4, dim, generator=g)
         loss = F.mse_loss(engine(x), x)
         engine.backward(loss)
         engine.step()
-    out = {"peak_mib": _status_mib("VmHWM") - baseline, "policy": (engine.host_allocator or {}).get("policy")}
+    out = {"peak_mib": _status_mib("VmHWM") - baseline, "policy": (engine.host_allocator or {}).get("policy"),
+           "setup": setup}
     engine.destroy()
     return out

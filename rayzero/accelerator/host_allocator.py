@@ -19,6 +19,15 @@ is what made offload cost RAM: with parameters and optimizer on NVMe the bench m
 704-751 MB against 589 MB without offload (issue 27), most of the difference freed blocks the heap kept. The step pays page faults for its
 large buffers again (offloaded steps are bound by the copies and the disk anyway).
 
+At the end of set-up the engine trims the heap once under either policy (:func:`end_of_set_up`): what set-up
+freed is not a step's working set.
+
+Under the keep policy freed heap still grows over the first steps beyond the step's live buffers: torch's
+CPU tensors come from ``posix_memalign(64, n)``, and glibc (2.36) frees the alignment slivers around each
+block into its per-thread cache of small blocks, so a freed block of ``n`` bytes cannot merge with its
+neighbours and is too small for the next ``posix_memalign(64, n)`` (docs/design.md "Freed memory kept for
+reuse"; ``python bench/heap_phases.py``).
+
 ``rayzero.initialize`` applies one of the two (:func:`configure_host_allocator`) on a CPU device without
 offload, and on any device with offload, unless:
 
@@ -74,6 +83,20 @@ def give_back_now() -> None:
     end of set-up: blocks freed there were allocated before the policy applied (``zero_init``'s shards, the
     model's full-size weights as its modules were built) and sit in the heap, which only shrinks from its top."""
     if _applied is not None and _applied["policy"] == "release":
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def end_of_set_up() -> None:
+    """The end of an engine's set-up: what set-up freed goes back to the OS, under either policy.
+
+    Set-up frees buffers that no step allocates again: ``zero_init``'s full-size weights (each module makes
+    its parameters whole before they are sharded) and its shards once copied into the masters, the model's
+    own weights at stage 3.  Under the keep policy (a 2 GiB trim threshold) those blocks stayed resident for
+    the whole run, though a step never needs them: on the bench model (stage 3, config defaults, 3 ranks)
+    66-103 MiB of free heap after ``initialize`` (docs/design.md "Freed memory kept for reuse").  The step's
+    own buffers are kept from here on as before; the pages a step takes from this freed memory fault in once,
+    in the first steps."""
+    if _applied is not None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
