@@ -89,9 +89,8 @@ def test_cifar_style_script_checkpoint_round_trip_as_deepspeeds(plain_run):
     assert abs(plain_run["fp32_checkpoint_loss"] - ref["fp32_checkpoint_loss"]) <= TOL
 
 
-# helper B's fix of WarmupLR's step (rayzero/optim/schedulers.py: the lr of step n is DeepSpeed's, not that of
-# step n + 1) is being merged; until it is, rayzero's lr runs one optimizer step ahead of DeepSpeed's
-@pytest.mark.xfail(strict=True, reason="WarmupLR runs one step ahead of DeepSpeed until the schedulers.py fix lands")
+# the issue's case: rayzero's WarmupLR ran one optimizer step ahead of DeepSpeed's before its schedulers were
+# stepped as DeepSpeed steps them (rayzero/optim/schedulers.py)
 def test_cifar_style_script_with_warmup_lr_gives_deepspeeds_lrs_and_losses(tmp_path):
     got, ref = _run_script(tmp_path, "deepspeed_cifar_style_warmup.json"), _reference("warmup")
     _assert_close(got["lrs"], ref["lrs"], 1e-12, "learning rates")
@@ -215,16 +214,15 @@ def test_checkpoints_take_any_tag_and_return_deepspeeds_values(one_process, tmp_
 
 
 def test_save_16bit_model_at_stage_3_follows_the_gather_key(one_process, tmp_path):
-    for gather, written in ((None, False), (True, True)):
+    for key, gather, written in ((None, None, False), ("stage3_gather_16bit_weights_on_model_save", True, True),
+                                 ("stage3_gather_fp16_weights_on_model_save", True, True)):
         z = {"stage": 3}
-        if gather is not None:
-            z["stage3_gather_16bit_weights_on_model_save"] = gather
-        # (the key is read from the config as written; rayzero's Config may refuse it until it knows it)
-        engine = deepspeed.DeepSpeedEngine(rayzero.initialize(_model(), {**CONFIG, "zero_optimization": {"stage": 3}}),
-                                           {"zero_optimization": z})
+        if key is not None:
+            z[key] = gather
+        engine, *_ = deepspeed.initialize(model=_model(), config={**CONFIG, "zero_optimization": z})
         try:
-            assert engine.save_16bit_model(tmp_path / str(gather)) is written
-            assert (tmp_path / str(gather) / "pytorch_model.bin").exists() is written
+            assert engine.save_16bit_model(tmp_path / str(key)) is written
+            assert (tmp_path / str(key) / "pytorch_model.bin").exists() is written
         finally:
             engine.destroy()
 
@@ -289,3 +287,28 @@ def test_gathered_parameters_at_stage_3_gather_and_write_back():
     for r in run_distributed(_stage3_worker, 2):
         assert r == {"outside_shape": (0,), "read": True, "inside_equal": True, "dropped": True, "written": True,
                      "forward": True}
+
+
+def test_checkpointing_is_deepspeeds_by_hand_api():
+    """``deepspeed.checkpointing``: checkpoint(function, *args) gives the gradients of the plain call, keeping
+    only the inputs; configure refuses what rayzero cannot do."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    grads = []
+    for call in (block, lambda t: deepspeed.checkpointing.checkpoint(block, t)):
+        block.zero_grad()
+        x.grad = None
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            call(x).square().sum().backward()
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in block.parameters())])
+        grads[-1].append(len(saved))
+    *plain, n_plain = grads[0]
+    *ckpt, n_ckpt = grads[1]
+    assert all(torch.equal(a, b) for a, b in zip(plain, ckpt))
+    assert n_ckpt < n_plain
+    deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
+    assert deepspeed.checkpointing.is_configured()
+    with pytest.raises(rayzero.NotSupportedYetError, match="partition_activations"):
+        deepspeed.checkpointing.configure(None, partition_activations=True)

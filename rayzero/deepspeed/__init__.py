@@ -3,8 +3,8 @@
 ``import rayzero.deepspeed as deepspeed`` runs a DeepSpeed training script as written: ``initialize``
 returns ``(engine, optimizer, dataloader, lr_scheduler)`` with an engine that answers to DeepSpeed's names
 (``local_rank``, ``train_batch_size()``, ``save_checkpoint(dir, tag=1.0)``, ``load_checkpoint`` returning
-``(path, client_state)``, ...), and the submodules ``comm``, ``accelerator``, ``zero`` and
-``utils.zero_to_fp32`` stand in for DeepSpeed's.  It is a thin layer: everything runs on
+``(path, client_state)``, ...), and the submodules ``comm``, ``accelerator``, ``zero``,
+``checkpointing`` and ``utils.zero_to_fp32`` stand in for DeepSpeed's.  It is a thin layer: everything runs on
 :class:`rayzero.Engine`, whose own API stays as it is.  docs/deepspeed.md says what maps to what.
 """
 
@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from rayzero.config import Config, NotSupportedYetError
-from rayzero.deepspeed import accelerator, comm, zero
+from rayzero.deepspeed import accelerator, checkpointing, comm, zero
 from rayzero.deepspeed.comm import init_distributed
 from rayzero.deepspeed.engine import DeepSpeedEngine
 
@@ -24,6 +24,7 @@ __all__ = [
     "DeepSpeedEngine",
     "accelerator",
     "add_config_arguments",
+    "checkpointing",
     "comm",
     "init_distributed",
     "initialize",

@@ -99,13 +99,8 @@ class DeepSpeedEngine:
         return bool(self._raw_config.get("dataloader_drop_last", False))
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        z = self._raw_config.get("zero_optimization")
-        z = z if isinstance(z, dict) else {}
-        for key in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-                    "gather_16bit_weights_on_model_save"):
-            if key in z:
-                return bool(z[key])
-        return False
+        """``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (or one of its DeepSpeed aliases)."""
+        return bool(self.engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
     # ---- counters and results ------------------------------------------------------------------------
     @property
