@@ -99,6 +99,11 @@ _ZERO_OLD_OFFLOAD = {
     "cpu_offload_param": ("offload_param", {"device": "cpu"}),
 }
 
+# zero_optimization's sizes counted in elements (with their older spellings)
+_ZERO_ELEMENT_COUNTS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                        "prefetch_bucket_size", "stage3_param_persistence_threshold", "param_persistence_threshold",
+                        "sub_group_size")
+
 _NVME_PIPELINE = Inert(why=f"{_TUNING}: the NVMe swap always reads ahead while stepping")
 
 
@@ -216,6 +221,9 @@ class ZeroConfig(_Section):
         "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     }
+    _misplaced: ClassVar[Mapping[str, str]] = {
+        "aio": "'aio' is a top-level section; move it out of zero_optimization",
+    }
     _fixed: ClassVar[Mapping[str, tuple[Any, str]]] = {
         "reduce_scatter": (True, "rayzero always reduce-scatters gradients into their owners' partitions"),
         "allgather_partitions": (True, "rayzero always all-gathers updated partitions"),
@@ -250,6 +258,12 @@ class ZeroConfig(_Section):
     def _translate(cls, data: dict[str, Any]) -> dict[str, Any]:
         """DeepSpeed's older switches ``cpu_offload`` / ``cpu_offload_param`` (true) read as the offload
         sections they stand for; ``cpu_offload_use_pin_memory`` (true) as ``pin_memory`` in both."""
+        # sizes in elements: a fractional one is rounded down (the Hugging Face Trainer writes "auto"
+        # stage3_prefetch_bucket_size as 0.9 * hidden_size**2)
+        for key in _ZERO_ELEMENT_COUNTS:
+            value = data.get(key)
+            if isinstance(value, float) and math.isfinite(value) and value >= 0 and not value.is_integer():
+                data[key] = math.floor(value)
         pin = data.get("cpu_offload_use_pin_memory") is True
         for old, (section, keys) in _ZERO_OLD_OFFLOAD.items():
             if data.get(old) is not True:
@@ -545,10 +559,17 @@ def _data_types_inert(value: Any) -> bool:
 
 
 _OFF = "off"
+_DIVIDE = ("where the gradients are divided by the data-parallel size: rayzero divides before the reduction "
+           "when communication_data_type is 16-bit and after it in fp32; the gradient is the same mean")
 # DeepSpeed's top-level keys that have no effect in rayzero (at any value, or at the value shown).
 _TOP_INERT = {
-    "prescale_gradients": inert_at(False, why=_OFF, refuse="scaling gradients before the all-reduce"),
-    "gradient_predivide_factor": inert_at(1, why="a factor of 1", refuse="dividing gradients before the all-reduce"),
+    # DeepSpeed's gradient with either (any factor) is the mean over the data-parallel ranks; the keys only
+    # place the division around its all-reduce, which rayzero places by the reduction dtype (zero/reducer.py)
+    "prescale_gradients": Inert(why=_DIVIDE, when=lambda v: isinstance(v, bool), refuse="a non-boolean value",
+                                fix="set it to true or false"),
+    "gradient_predivide_factor": Inert(
+        why=_DIVIDE, refuse="a factor that is not a positive number", fix="set it to a number > 0 or remove it",
+        when=lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0),
     "gradient_allreduce_op": inert_at("mean", why="rayzero averages gradients over the data-parallel ranks",
                                       refuse="summed instead of averaged gradients"),
     "sparse_gradients": inert_at(False, why=_OFF, refuse="sparse embedding gradients"),
@@ -562,6 +583,10 @@ _TOP_INERT = {
     "dataloader_drop_last": inert_at(False, why=_OFF, refuse="a data loader built by the engine"),
     "disable_python_gc": Inert(why=f"{_TUNING}: rayzero leaves Python's garbage collector as it is"),
     "log_level": Inert(why="DeepSpeed's own logger; rayzero logs to logger 'rayzero'"),
+    # not a DeepSpeed key (DeepSpeedExamples' imagenet configs have it): DeepSpeed ignores it, as it ignores
+    # every top-level key it does not know
+    "cuda_visible_devices": Inert(why="not a DeepSpeed key, which DeepSpeed ignores too; the devices a rank sees "
+                                      "are set by CUDA_VISIBLE_DEVICES in the launcher's environment"),
     "managed_gradient_accumulation": inert_at(
         True, why="rayzero steps at accumulation boundaries (DeepSpeed's default)",
         refuse="the caller choosing each boundary; use engine.set_gradient_accumulation_boundary"),

@@ -257,6 +257,8 @@ class _Section:
     _fixed: ClassVar[Mapping[str, tuple[Any, str]]] = {}
     # DeepSpeed keys accepted where they have no effect (named in the load's notice), refused elsewhere.
     _inert: ClassVar[Mapping[str, Inert]] = {}
+    # keys that belong in another section (DeepSpeed refuses them here too) -> where they go
+    _misplaced: ClassVar[Mapping[str, str]] = {}
     # path -> value of the keys the last from_dict accepted as inert (set on the section it returned)
     ignored_keys: ClassVar[Mapping[str, Any]] = {}
 
@@ -331,6 +333,8 @@ class _Section:
                     note_inert(path, value, rule.why)
                 elif key in cls._not_supported:
                     raise not_supported_error(path, cls._not_supported[key])
+                elif key in cls._misplaced:
+                    raise ConfigError(f"config key '{path}' is not read here: {cls._misplaced[key]}")
                 else:
                     supported = [*names, *cls._aliases, *cls._fixed]
                     err = unknown_key_error(path, key, supported)

@@ -184,7 +184,7 @@ def test_hugging_face_configs(hf, autos, caplog):
 def test_three_problems_come_in_one_error():
     bad = {
         "train_batch_sise": 8,                                   # unknown key
-        "prescale_gradients": True,                              # on, and not supported
+        "sparse_gradients": True,                                # on, and not supported
         "zero_optimization": {"stage": 5, "reduce_bucket_size": "5e8"},   # only the type is checked per key
         "gradient_clipping": "1.0",                              # wrong type
     }
@@ -194,7 +194,7 @@ def test_three_problems_come_in_one_error():
     msg = str(err.value)
     assert msg.startswith("the config has 4 problems; fix all of them before training:\n")
     assert "unknown config key 'train_batch_sise'; did you mean 'train_batch_size'?" in msg
-    assert ("config key 'prescale_gradients' = True (scaling gradients before the all-reduce) is not supported "
+    assert ("config key 'sparse_gradients' = True (sparse embedding gradients) is not supported "
             "yet by rayzero; set it to false or remove it") in msg
     assert "'zero_optimization.reduce_bucket_size' has value '5e8'" in msg
     assert "'gradient_clipping' has value '1.0'" in msg
@@ -239,7 +239,7 @@ def test_inert_keys_at_their_value_and_refused_otherwise(caplog):
     assert "bf16.loss_scale = 0 (bf16 uses no loss scaling)" in notices[0]
 
     # the same keys switched on are refused, all in one error
-    on = {"prescale_gradients": True, "gradient_predivide_factor": 8.0, "comms_logger": {"enabled": True},
+    on = {"sparse_gradients": True, "disable_allgather": True, "comms_logger": {"enabled": True},
           "activation_checkpointing": {"partition_activations": True},
           "zero_optimization": {"zero_hpz_partition_size": 8}, "fp16": {"fp16_master_weights_and_grads": True}}
     with pytest.raises(NotSupportedYetError) as err:
