@@ -99,10 +99,8 @@ _ZERO_OLD_OFFLOAD = {
     "cpu_offload_param": ("offload_param", {"device": "cpu"}),
 }
 
-# zero_optimization's sizes counted in elements (with their older spellings)
-_ZERO_ELEMENT_COUNTS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                        "prefetch_bucket_size", "stage3_param_persistence_threshold", "param_persistence_threshold",
-                        "sub_group_size")
+# the size the Hugging Face Trainer fills with a fraction (0.9 * hidden_size**2 elements), in both spellings
+_ZERO_FRACTIONAL_SIZES = ("stage3_prefetch_bucket_size", "prefetch_bucket_size")
 
 _NVME_PIPELINE = Inert(why=f"{_TUNING}: the NVMe swap always reads ahead while stepping")
 
@@ -124,6 +122,7 @@ class OffloadOptimizerConfig(_Section):
     """
 
     _path: ClassVar[str] = "zero_optimization.offload_optimizer"
+    _auto_means_default: ClassVar[bool] = True
     _inert: ClassVar[Mapping[str, Inert]] = {
         "ratio": inert_at(1, why="the whole optimizer state is offloaded", refuse="partial optimizer offload"),
         "fast_init": Inert(why=f"{_TUNING}: how the NVMe swap files are first written"),
@@ -157,6 +156,7 @@ class OffloadParamConfig(_Section):
     """`zero_optimization.offload_param` (stage 3): where the parameter partitions live between uses."""
 
     _path: ClassVar[str] = "zero_optimization.offload_param"
+    _auto_means_default: ClassVar[bool] = True
     _inert: ClassVar[Mapping[str, Inert]] = {
         "pipeline": _NVME_PIPELINE, "pipeline_read": _NVME_PIPELINE, "pipeline_write": _NVME_PIPELINE,
     }
@@ -213,6 +213,7 @@ class ZeroConfig(_Section):
     """`zero_optimization`: which state is partitioned and how communication is bucketed (elements)."""
 
     _path: ClassVar[str] = "zero_optimization"
+    _auto_means_default: ClassVar[bool] = True
     _not_supported: ClassVar[Mapping[str, str]] = _ZERO_NOT_SUPPORTED
     _inert: ClassVar[Mapping[str, Inert]] = _ZERO_INERT
     _aliases: ClassVar[Mapping[str, str]] = {
@@ -258,9 +259,9 @@ class ZeroConfig(_Section):
     def _translate(cls, data: dict[str, Any]) -> dict[str, Any]:
         """DeepSpeed's older switches ``cpu_offload`` / ``cpu_offload_param`` (true) read as the offload
         sections they stand for; ``cpu_offload_use_pin_memory`` (true) as ``pin_memory`` in both."""
-        # sizes in elements: a fractional one is rounded down (the Hugging Face Trainer writes "auto"
+        # a prefetch size in elements with a fraction is rounded down (the Hugging Face Trainer writes an "auto"
         # stage3_prefetch_bucket_size as 0.9 * hidden_size**2)
-        for key in _ZERO_ELEMENT_COUNTS:
+        for key in _ZERO_FRACTIONAL_SIZES:
             value = data.get(key)
             if isinstance(value, float) and math.isfinite(value) and value >= 0 and not value.is_integer():
                 data[key] = math.floor(value)
@@ -385,6 +386,7 @@ class FP16Config(_Section):
     """`fp16`: fp16 compute with loss scaling (dynamic when loss_scale is 0)."""
 
     _path: ClassVar[str] = "fp16"
+    _auto_means_default: ClassVar[bool] = True
     _not_supported: ClassVar[Mapping[str, str]] = {"fp16_opt_level": "NVIDIA Apex AMP's opt level"}
     _inert: ClassVar[Mapping[str, Inert]] = {
         "auto_cast": Inert(why="engine(x) casts floating-point inputs to the compute dtype either way"),
@@ -416,6 +418,7 @@ class BF16Config(_Section):
     """`bf16`: bf16 compute, fp32 master weights; no loss scaling needed."""
 
     _path: ClassVar[str] = "bf16"
+    _auto_means_default: ClassVar[bool] = True
     _inert: ClassVar[Mapping[str, Inert]] = {
         "immediate_grad_update": inert_at(False, why="off", refuse="DeepSpeed's immediate bf16 gradient update"),
         "check_grad_overflow": Inert(why="rayzero checks the global gradient norm every step (nonfinite_grad)"),
@@ -473,6 +476,7 @@ class TensorParallelConfig(_Section):
     tp_plan (or `tp_plan`, module-name patterns -> colwise / rowwise / packed_colwise)."""
 
     _path: ClassVar[str] = "tensor_parallel"
+    _auto_means_default: ClassVar[bool] = True
     _not_supported: ClassVar[Mapping[str, str]] = {
         "preset_model": "AutoTP's model presets; rayzero reads the model's Hugging Face tp_plan, or write tp_plan",
         "partition_config": "AutoTP's layer specs; write rayzero's tp_plan (module-name patterns -> colwise / rowwise)",
@@ -622,6 +626,7 @@ class TensorBoardConfig(_Section):
     ``output_path/job_name`` (rayzero/monitor.py)."""
 
     _path: ClassVar[str] = "tensorboard"
+    _auto_means_default: ClassVar[bool] = True
 
     enabled: bool = False
     output_path: str = ""
@@ -633,6 +638,7 @@ class WandbConfig(_Section):
     """`wandb`: rank 0 logs DeepSpeed's training events to Weights & Biases (``team`` is wandb's entity)."""
 
     _path: ClassVar[str] = "wandb"
+    _auto_means_default: ClassVar[bool] = True
 
     enabled: bool = False
     group: str | None = None
@@ -646,6 +652,7 @@ class CSVMonitorConfig(_Section):
     ``output_path/job_name``, in DeepSpeed's layout."""
 
     _path: ClassVar[str] = "csv_monitor"
+    _auto_means_default: ClassVar[bool] = True
 
     enabled: bool = False
     output_path: str = ""

@@ -87,13 +87,16 @@ HF_ZERO3 = {**_HF_COMMON, "zero_optimization": {
     "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
     "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
 }}
+# the "auto" keys DeepSpeed cannot read either; in zero_optimization, fp16 and bf16 DeepSpeed reads "auto" as the
+# key's default, and so does rayzero (named in the notice)
 HF_AUTO_KEYS = {
-    "fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
     "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
     "scheduler.params.warmup_num_steps", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
     "train_micro_batch_size_per_gpu",
 }
-HF_ZERO3_AUTO_KEYS = HF_AUTO_KEYS | {"zero_optimization.reduce_bucket_size",
+HF_DEFAULTED = {"fp16.enabled", "bf16.enabled"}
+HF_ZERO3_DEFAULTED = HF_DEFAULTED | {"zero_optimization.reduce_bucket_size",
                                      "zero_optimization.stage3_prefetch_bucket_size",
                                      "zero_optimization.stage3_param_persistence_threshold"}
 
@@ -151,16 +154,24 @@ def test_deepspeed_tutorial_and_example_configs_load_as_written(caplog):
                and "zero_optimization.cpu_offload = False" in n for n in notices)
 
 
-@pytest.mark.parametrize("hf, autos", [(HF_ZERO2, HF_AUTO_KEYS), (HF_ZERO3, HF_ZERO3_AUTO_KEYS)],
+@pytest.mark.parametrize("hf, defaulted", [(HF_ZERO2, HF_DEFAULTED), (HF_ZERO3, HF_ZERO3_DEFAULTED)],
                          ids=["zero2", "zero3"])
-def test_hugging_face_configs(hf, autos, caplog):
-    # passed to rayzero directly: one error naming every "auto" key
+def test_hugging_face_configs(hf, defaulted, caplog):
+    # passed to rayzero directly: one error naming every "auto" key DeepSpeed cannot read either
     with pytest.raises(ConfigError) as err:
         Config.from_any(hf)
     named = {str(p).split("'")[1] for p in err.value.problems}
-    assert named == autos
+    assert named == HF_AUTO_KEYS
     assert all("Hugging Face Trainer placeholder" in str(p) for p in err.value.problems)
-    assert f"the config has {len(autos)} problems" in str(err.value)
+    assert f"the config has {len(HF_AUTO_KEYS)} problems" in str(err.value)
+    # with those filled, the sections' "auto" keys take rayzero's defaults, as DeepSpeed takes its own
+    top = {k: v for k, v in _fill(hf).items() if k not in ("zero_optimization", "fp16", "bf16")}
+    cfg = Config.from_any({**hf, **top})
+    assert set(cfg.ignored_keys) >= defaulted and all(cfg.ignored_keys[k] == "auto" for k in defaulted)
+    assert cfg.compute_dtype == torch.float32  # fp16 and bf16 off, their default
+    if "zero_optimization.reduce_bucket_size" in defaulted:
+        assert cfg.zero_optimization.reduce_bucket_size is None  # rayzero derives it at start-up
+    caplog.clear()
 
     # as the Trainer hands it on, with the values written in
     caplog.set_level(logging.WARNING, logger="rayzero")

@@ -64,8 +64,10 @@ def hf_trainer_fill(config: dict, args: dict = TRAINER) -> dict:
     return out
 
 
-def _load(rel: str) -> Config:
-    return Config.from_any(hf_trainer_fill(json.loads((DATA / rel).read_text())))
+def _load(rel: str, fill: bool = True) -> Config:
+    """The config at ``rel``; with ``fill``, as the Trainer hands it on (a config with no "auto" is unchanged)."""
+    config = json.loads((DATA / rel).read_text())
+    return Config.from_any(hf_trainer_fill(config) if fill else config)
 
 
 def _paths(err: ConfigError) -> set[str]:
@@ -131,13 +133,19 @@ LOADS = {
         stage=3, dtype=torch.float16, batch=(16, 4, 1), ignored=set()),
     "training/tensor_parallel/hf_integration/configs/ds_config.json": dict(
         stage=2, dtype=torch.float32, batch=(32, 4, 2), ignored=set()),
+    # SGLang's, read as written (no Trainer): "auto" in zero_optimization is DeepSpeed's default there, rayzero's here
+    "inference/sglang/ds_offload_nvme_aio.json": dict(
+        stage=3, dtype=torch.float32, batch=(1, 1, 1), world=1, fill=False, ignored={
+            "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
+            "zero_optimization.stage3_max_live_parameters", "zero_optimization.offload_param.buffer_size",
+            "aio.use_gds"}),
 }
 
 
 @pytest.mark.parametrize("rel", sorted(LOADS))
 def test_deepspeed_examples_configs_load_as_written(rel):
     want = LOADS[rel]
-    cfg = _load(EX + rel)
+    cfg = _load(EX + rel, fill=want.get("fill", True))
     assert cfg.zero_optimization.stage == want["stage"] and cfg.compute_dtype == want["dtype"]
     plan = cfg.resolve_batch(want.get("world", 4))
     assert (plan.train_batch_size, plan.micro_batch_size, plan.gradient_accumulation_steps) == want["batch"]
@@ -154,6 +162,10 @@ def test_deepspeed_examples_special_values():
     assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save  # gather_16bit_..., its older name
     cfg = _load(EX + "compression/cifar/config/ds_config.json")
     assert cfg.ignored_keys == {"prescale_gradients": True} and cfg.gradient_clipping == 1.0
+    z = _load(EX + "inference/sglang/ds_offload_nvme_aio.json", fill=False).zero_optimization
+    assert (z.offload_param.device, z.offload_param.nvme_path, z.offload_param.buffer_count) == (
+        "nvme", "/local_nvme/sglang", 5)
+    assert z.offload_param.buffer_size is None and z.stage3_prefetch_bucket_size is None  # rayzero derives them
 
 
 REFUSED = {  # every problem, in one error; each a capability rayzero does not have
@@ -163,12 +175,13 @@ REFUSED = {  # every problem, in one error; each a capability rayzero does not h
     "training/bf16_master_weight/configs/bf16_full.json": {
         "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states", "torch_autocast"},
     "training/DeepSpeed-ZenFlow/finetuning/zf_config.json": {"zero_optimization.zenflow"},
+    "inference/sglang/ds_offload_nvme_gds.json": {"aio.use_gds"},
 }
 
 
 @pytest.mark.parametrize("rel", sorted(REFUSED))
 def test_deepspeed_examples_configs_refused_for_what_rayzero_lacks(rel):
     with pytest.raises(NotSupportedYetError) as err:
-        _load(EX + rel)
+        _load(EX + rel, fill="sglang" not in rel)
     assert _paths(err.value) == REFUSED[rel]
     assert all(isinstance(p, NotSupportedYetError) for p in err.value.problems)
