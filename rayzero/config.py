@@ -99,6 +99,9 @@ _ZERO_OLD_OFFLOAD = {
     "cpu_offload_param": ("offload_param", {"device": "cpu"}),
 }
 
+# the size the Hugging Face Trainer fills with a fraction (0.9 * hidden_size**2 elements), in both spellings
+_ZERO_FRACTIONAL_SIZES = ("stage3_prefetch_bucket_size", "prefetch_bucket_size")
+
 _NVME_PIPELINE = Inert(why=f"{_TUNING}: the NVMe swap always reads ahead while stepping")
 
 
@@ -119,6 +122,7 @@ class OffloadOptimizerConfig(_Section):
     """
 
     _path: ClassVar[str] = "zero_optimization.offload_optimizer"
+    _auto_means_default: ClassVar[bool] = True
     _inert: ClassVar[Mapping[str, Inert]] = {
         "ratio": inert_at(1, why="the whole optimizer state is offloaded", refuse="partial optimizer offload"),
         "fast_init": Inert(why=f"{_TUNING}: how the NVMe swap files are first written"),
@@ -152,6 +156,7 @@ class OffloadParamConfig(_Section):
     """`zero_optimization.offload_param` (stage 3): where the parameter partitions live between uses."""
 
     _path: ClassVar[str] = "zero_optimization.offload_param"
+    _auto_means_default: ClassVar[bool] = True
     _inert: ClassVar[Mapping[str, Inert]] = {
         "pipeline": _NVME_PIPELINE, "pipeline_read": _NVME_PIPELINE, "pipeline_write": _NVME_PIPELINE,
     }
@@ -208,6 +213,7 @@ class ZeroConfig(_Section):
     """`zero_optimization`: which state is partitioned and how communication is bucketed (elements)."""
 
     _path: ClassVar[str] = "zero_optimization"
+    _auto_means_default: ClassVar[bool] = True
     _not_supported: ClassVar[Mapping[str, str]] = _ZERO_NOT_SUPPORTED
     _inert: ClassVar[Mapping[str, Inert]] = _ZERO_INERT
     _aliases: ClassVar[Mapping[str, str]] = {
@@ -215,6 +221,9 @@ class ZeroConfig(_Section):
         "param_persistence_threshold": "stage3_param_persistence_threshold",
         "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    }
+    _misplaced: ClassVar[Mapping[str, str]] = {
+        "aio": "'aio' is a top-level section; move it out of zero_optimization",
     }
     _fixed: ClassVar[Mapping[str, tuple[Any, str]]] = {
         "reduce_scatter": (True, "rayzero always reduce-scatters gradients into their owners' partitions"),
@@ -250,6 +259,12 @@ class ZeroConfig(_Section):
     def _translate(cls, data: dict[str, Any]) -> dict[str, Any]:
         """DeepSpeed's older switches ``cpu_offload`` / ``cpu_offload_param`` (true) read as the offload
         sections they stand for; ``cpu_offload_use_pin_memory`` (true) as ``pin_memory`` in both."""
+        # a prefetch size in elements with a fraction is rounded down (the Hugging Face Trainer writes an "auto"
+        # stage3_prefetch_bucket_size as 0.9 * hidden_size**2)
+        for key in _ZERO_FRACTIONAL_SIZES:
+            value = data.get(key)
+            if isinstance(value, float) and math.isfinite(value) and value >= 0 and not value.is_integer():
+                data[key] = math.floor(value)
         pin = data.get("cpu_offload_use_pin_memory") is True
         for old, (section, keys) in _ZERO_OLD_OFFLOAD.items():
             if data.get(old) is not True:
@@ -371,6 +386,7 @@ class FP16Config(_Section):
     """`fp16`: fp16 compute with loss scaling (dynamic when loss_scale is 0)."""
 
     _path: ClassVar[str] = "fp16"
+    _auto_means_default: ClassVar[bool] = True
     _not_supported: ClassVar[Mapping[str, str]] = {"fp16_opt_level": "NVIDIA Apex AMP's opt level"}
     _inert: ClassVar[Mapping[str, Inert]] = {
         "auto_cast": Inert(why="engine(x) casts floating-point inputs to the compute dtype either way"),
@@ -402,6 +418,7 @@ class BF16Config(_Section):
     """`bf16`: bf16 compute, fp32 master weights; no loss scaling needed."""
 
     _path: ClassVar[str] = "bf16"
+    _auto_means_default: ClassVar[bool] = True
     _inert: ClassVar[Mapping[str, Inert]] = {
         "immediate_grad_update": inert_at(False, why="off", refuse="DeepSpeed's immediate bf16 gradient update"),
         "check_grad_overflow": Inert(why="rayzero checks the global gradient norm every step (nonfinite_grad)"),
@@ -459,6 +476,7 @@ class TensorParallelConfig(_Section):
     tp_plan (or `tp_plan`, module-name patterns -> colwise / rowwise / packed_colwise)."""
 
     _path: ClassVar[str] = "tensor_parallel"
+    _auto_means_default: ClassVar[bool] = True
     _not_supported: ClassVar[Mapping[str, str]] = {
         "preset_model": "AutoTP's model presets; rayzero reads the model's Hugging Face tp_plan, or write tp_plan",
         "partition_config": "AutoTP's layer specs; write rayzero's tp_plan (module-name patterns -> colwise / rowwise)",
@@ -545,10 +563,17 @@ def _data_types_inert(value: Any) -> bool:
 
 
 _OFF = "off"
+_DIVIDE = ("where the gradients are divided by the data-parallel size: rayzero divides before the reduction "
+           "when communication_data_type is 16-bit and after it in fp32; the gradient is the same mean")
 # DeepSpeed's top-level keys that have no effect in rayzero (at any value, or at the value shown).
 _TOP_INERT = {
-    "prescale_gradients": inert_at(False, why=_OFF, refuse="scaling gradients before the all-reduce"),
-    "gradient_predivide_factor": inert_at(1, why="a factor of 1", refuse="dividing gradients before the all-reduce"),
+    # DeepSpeed's gradient with either (any factor) is the mean over the data-parallel ranks; the keys only
+    # place the division around its all-reduce, which rayzero places by the reduction dtype (zero/reducer.py)
+    "prescale_gradients": Inert(why=_DIVIDE, when=lambda v: isinstance(v, bool), refuse="a non-boolean value",
+                                fix="set it to true or false"),
+    "gradient_predivide_factor": Inert(
+        why=_DIVIDE, refuse="a factor that is not a positive number", fix="set it to a number > 0 or remove it",
+        when=lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0),
     "gradient_allreduce_op": inert_at("mean", why="rayzero averages gradients over the data-parallel ranks",
                                       refuse="summed instead of averaged gradients"),
     "sparse_gradients": inert_at(False, why=_OFF, refuse="sparse embedding gradients"),
@@ -562,6 +587,10 @@ _TOP_INERT = {
     "dataloader_drop_last": inert_at(False, why=_OFF, refuse="a data loader built by the engine"),
     "disable_python_gc": Inert(why=f"{_TUNING}: rayzero leaves Python's garbage collector as it is"),
     "log_level": Inert(why="DeepSpeed's own logger; rayzero logs to logger 'rayzero'"),
+    # not a DeepSpeed key (DeepSpeedExamples' imagenet configs have it): DeepSpeed ignores it, as it ignores
+    # every top-level key it does not know
+    "cuda_visible_devices": Inert(why="not a DeepSpeed key, which DeepSpeed ignores too; the devices a rank sees "
+                                      "are set by CUDA_VISIBLE_DEVICES in the launcher's environment"),
     "managed_gradient_accumulation": inert_at(
         True, why="rayzero steps at accumulation boundaries (DeepSpeed's default)",
         refuse="the caller choosing each boundary; use engine.set_gradient_accumulation_boundary"),
@@ -597,6 +626,7 @@ class TensorBoardConfig(_Section):
     ``output_path/job_name`` (rayzero/monitor.py)."""
 
     _path: ClassVar[str] = "tensorboard"
+    _auto_means_default: ClassVar[bool] = True
 
     enabled: bool = False
     output_path: str = ""
@@ -608,6 +638,7 @@ class WandbConfig(_Section):
     """`wandb`: rank 0 logs DeepSpeed's training events to Weights & Biases (``team`` is wandb's entity)."""
 
     _path: ClassVar[str] = "wandb"
+    _auto_means_default: ClassVar[bool] = True
 
     enabled: bool = False
     group: str | None = None
@@ -621,6 +652,7 @@ class CSVMonitorConfig(_Section):
     ``output_path/job_name``, in DeepSpeed's layout."""
 
     _path: ClassVar[str] = "csv_monitor"
+    _auto_means_default: ClassVar[bool] = True
 
     enabled: bool = False
     output_path: str = ""

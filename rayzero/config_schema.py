@@ -140,6 +140,9 @@ def auto_error(path: str) -> ConfigError:
     )
 
 
+AUTO_DEFAULT = "DeepSpeed reads \"auto\" in this section as the key's default; rayzero's default applies"
+
+
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
 
@@ -257,6 +260,11 @@ class _Section:
     _fixed: ClassVar[Mapping[str, tuple[Any, str]]] = {}
     # DeepSpeed keys accepted where they have no effect (named in the load's notice), refused elsewhere.
     _inert: ClassVar[Mapping[str, Inert]] = {}
+    # keys that belong in another section (DeepSpeed refuses them here too) -> where they go
+    _misplaced: ClassVar[Mapping[str, str]] = {}
+    # True for the sections DeepSpeed reads with its pydantic models, which drop a key written "auto" (so it
+    # takes its default): rayzero reads such a key as its own default, named in the load's notice
+    _auto_means_default: ClassVar[bool] = False
     # path -> value of the keys the last from_dict accepted as inert (set on the section it returned)
     ignored_keys: ClassVar[Mapping[str, Any]] = {}
 
@@ -309,7 +317,10 @@ class _Section:
                     source[name] = key
                     hint = hints[name]
                     if isinstance(value, str) and value == "auto" and not _accepts_str(hint):
-                        problems.append(auto_error(path))
+                        if cls._auto_means_default:
+                            note_inert(path, value, AUTO_DEFAULT)
+                        else:
+                            problems.append(auto_error(path))
                         continue
                     if isinstance(value, Mapping) and not _is_section_hint(hint):  # free-form (params)
                         autos = _auto_paths(path, value)
@@ -325,12 +336,17 @@ class _Section:
                 elif key in cls._inert:
                     rule = cls._inert[key]
                     if isinstance(value, str) and value == "auto":
-                        raise auto_error(path)
+                        if not cls._auto_means_default:
+                            raise auto_error(path)
+                        note_inert(path, value, AUTO_DEFAULT)
+                        continue
                     if not rule.when(value):
                         raise not_supported_error(path, rule.refuse, value=value, fix=rule.fix)
                     note_inert(path, value, rule.why)
                 elif key in cls._not_supported:
                     raise not_supported_error(path, cls._not_supported[key])
+                elif key in cls._misplaced:
+                    raise ConfigError(f"config key '{path}' is not read here: {cls._misplaced[key]}")
                 else:
                     supported = [*names, *cls._aliases, *cls._fixed]
                     err = unknown_key_error(path, key, supported)

@@ -133,7 +133,7 @@ def test_unknown_key_without_close_match_lists_known():
         ({"moe": {"enabled": True}}, "moe"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
         ({"comet": {"enabled": True}}, "comet"),
-        ({"prescale_gradients": True}, "prescale_gradients"),
+        ({"sparse_gradients": True}, "sparse_gradients"),
         ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
         ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
          "zero_optimization.offload_optimizer.ratio"),

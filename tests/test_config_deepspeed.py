@@ -87,13 +87,16 @@ HF_ZERO3 = {**_HF_COMMON, "zero_optimization": {
     "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
     "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True,
 }}
+# the "auto" keys DeepSpeed cannot read either; in zero_optimization, fp16 and bf16 DeepSpeed reads "auto" as the
+# key's default, and so does rayzero (named in the notice)
 HF_AUTO_KEYS = {
-    "fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+    "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
     "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
     "scheduler.params.warmup_num_steps", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size",
     "train_micro_batch_size_per_gpu",
 }
-HF_ZERO3_AUTO_KEYS = HF_AUTO_KEYS | {"zero_optimization.reduce_bucket_size",
+HF_DEFAULTED = {"fp16.enabled", "bf16.enabled"}
+HF_ZERO3_DEFAULTED = HF_DEFAULTED | {"zero_optimization.reduce_bucket_size",
                                      "zero_optimization.stage3_prefetch_bucket_size",
                                      "zero_optimization.stage3_param_persistence_threshold"}
 
@@ -151,16 +154,24 @@ def test_deepspeed_tutorial_and_example_configs_load_as_written(caplog):
                and "zero_optimization.cpu_offload = False" in n for n in notices)
 
 
-@pytest.mark.parametrize("hf, autos", [(HF_ZERO2, HF_AUTO_KEYS), (HF_ZERO3, HF_ZERO3_AUTO_KEYS)],
+@pytest.mark.parametrize("hf, defaulted", [(HF_ZERO2, HF_DEFAULTED), (HF_ZERO3, HF_ZERO3_DEFAULTED)],
                          ids=["zero2", "zero3"])
-def test_hugging_face_configs(hf, autos, caplog):
-    # passed to rayzero directly: one error naming every "auto" key
+def test_hugging_face_configs(hf, defaulted, caplog):
+    # passed to rayzero directly: one error naming every "auto" key DeepSpeed cannot read either
     with pytest.raises(ConfigError) as err:
         Config.from_any(hf)
     named = {str(p).split("'")[1] for p in err.value.problems}
-    assert named == autos
+    assert named == HF_AUTO_KEYS
     assert all("Hugging Face Trainer placeholder" in str(p) for p in err.value.problems)
-    assert f"the config has {len(autos)} problems" in str(err.value)
+    assert f"the config has {len(HF_AUTO_KEYS)} problems" in str(err.value)
+    # with those filled, the sections' "auto" keys take rayzero's defaults, as DeepSpeed takes its own
+    top = {k: v for k, v in _fill(hf).items() if k not in ("zero_optimization", "fp16", "bf16")}
+    cfg = Config.from_any({**hf, **top})
+    assert set(cfg.ignored_keys) >= defaulted and all(cfg.ignored_keys[k] == "auto" for k in defaulted)
+    assert cfg.compute_dtype == torch.float32  # fp16 and bf16 off, their default
+    if "zero_optimization.reduce_bucket_size" in defaulted:
+        assert cfg.zero_optimization.reduce_bucket_size is None  # rayzero derives it at start-up
+    caplog.clear()
 
     # as the Trainer hands it on, with the values written in
     caplog.set_level(logging.WARNING, logger="rayzero")
@@ -184,7 +195,7 @@ def test_hugging_face_configs(hf, autos, caplog):
 def test_three_problems_come_in_one_error():
     bad = {
         "train_batch_sise": 8,                                   # unknown key
-        "prescale_gradients": True,                              # on, and not supported
+        "sparse_gradients": True,                                # on, and not supported
         "zero_optimization": {"stage": 5, "reduce_bucket_size": "5e8"},   # only the type is checked per key
         "gradient_clipping": "1.0",                              # wrong type
     }
@@ -194,7 +205,7 @@ def test_three_problems_come_in_one_error():
     msg = str(err.value)
     assert msg.startswith("the config has 4 problems; fix all of them before training:\n")
     assert "unknown config key 'train_batch_sise'; did you mean 'train_batch_size'?" in msg
-    assert ("config key 'prescale_gradients' = True (scaling gradients before the all-reduce) is not supported "
+    assert ("config key 'sparse_gradients' = True (sparse embedding gradients) is not supported "
             "yet by rayzero; set it to false or remove it") in msg
     assert "'zero_optimization.reduce_bucket_size' has value '5e8'" in msg
     assert "'gradient_clipping' has value '1.0'" in msg
@@ -239,7 +250,7 @@ def test_inert_keys_at_their_value_and_refused_otherwise(caplog):
     assert "bf16.loss_scale = 0 (bf16 uses no loss scaling)" in notices[0]
 
     # the same keys switched on are refused, all in one error
-    on = {"prescale_gradients": True, "gradient_predivide_factor": 8.0, "comms_logger": {"enabled": True},
+    on = {"sparse_gradients": True, "disable_allgather": True, "comms_logger": {"enabled": True},
           "activation_checkpointing": {"partition_activations": True},
           "zero_optimization": {"zero_hpz_partition_size": 8}, "fp16": {"fp16_master_weights_and_grads": True}}
     with pytest.raises(NotSupportedYetError) as err:

@@ -102,6 +102,9 @@ def wrong_type(draw):
 def test_a_value_of_the_wrong_type_names_its_key(case):
     path, value = case
     assume(not (path == ("zero_optimization",) and isinstance(value, bool)))  # DeepSpeed's older form, read
+    assume(value != "auto")  # in the sections DeepSpeed reads "auto" as the default, rayzero does too
+    # the Hugging Face Trainer's fractional prefetch size (0.9 * hidden_size**2), rounded down
+    assume(not (path == ("zero_optimization", "stage3_prefetch_bucket_size") and isinstance(value, float)))
     with pytest.raises(ConfigError) as e:
         Config.from_any(_nested(path, value))
     assert ".".join(path) in str(e.value), str(e.value)
