@@ -93,3 +93,6 @@ def test_a_failing_rank_ends_the_run_with_its_status_and_error(ray_cluster, tmp_
     status = launch(str(tmp_path / "missing.py"), [], workers=1, address=ray_cluster)
     assert status == 2
     assert "no script" in capsys.readouterr().err
+    # more ranks than the local cluster (3 CPUs) holds: refused at once
+    with pytest.raises(RuntimeError, match="cannot place 5 ranks"):
+        launch(str(script), [], workers=5, address=ray_cluster)

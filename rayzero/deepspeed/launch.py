@@ -107,6 +107,26 @@ def _connect(address: str | None) -> bool:
     return True
 
 
+def _too_small(workers: int, bundle: dict, when: str) -> str:
+    import ray
+
+    total = ray.cluster_resources()
+    return (f"the Ray cluster cannot place {workers} ranks of {bundle} {when} (it has {total.get('CPU', 0):g} CPUs, "
+            f"{total.get('GPU', 0):g} GPUs in all): use fewer --workers or a larger cluster")
+
+
+def _check_size(workers: int, bundle: dict) -> None:
+    """A local cluster this process started cannot grow: refuse at once what it cannot hold."""
+    import ray
+
+    from rayzero.train.agent import started_here
+
+    total = ray.cluster_resources()
+    if started_here() and any(total.get(k, 0) < v * workers for k, v in bundle.items()):
+        raise RuntimeError(_too_small(workers, bundle, "now, nor later: this process started it, as a local "
+                                      "cluster that cannot grow"))
+
+
 def _rank_layout(bundle_nodes: dict, workers: int) -> list[tuple[int, str]]:
     """[(bundle index, node id)] in rank order: the bundles of a node consecutive, nodes in the order their
     first bundle comes."""
@@ -133,15 +153,17 @@ def launch(script: str, args: list[str] | tuple = (), workers: int = 2, address:
     env = {str(k): str(v) for k, v in (env or {}).items()}
     connected = _connect(address)
     bundle = {"CPU": 1.0, **({"GPU": float(gpus_per_worker)} if gpus_per_worker else {})}
+    try:
+        _check_size(workers, bundle)
+    except RuntimeError:
+        if connected:
+            ray.shutdown()
+        raise
     pg = placement_group([dict(bundle) for _ in range(workers)], strategy="PACK")
     actors: list = []
     try:
         if not pg.wait(timeout_seconds=start_timeout_s):
-            total = ray.cluster_resources()
-            raise RuntimeError(
-                f"the Ray cluster cannot place {workers} ranks of {bundle} within {start_timeout_s:g} s (it has "
-                f"{total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs in all): use fewer --workers or a "
-                "larger cluster")
+            raise RuntimeError(_too_small(workers, bundle, f"within {start_timeout_s:g} s"))
         bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
         layout = _rank_layout(bundle_nodes, workers)
         cls = ray.remote(RankProcess)
