@@ -67,13 +67,16 @@ time.sleep(120)
 
 
 def test_a_failing_rank_ends_the_run_with_its_status_and_error(ray_cluster, tmp_path, capsys):
+    from rayzero.cli import main
     from rayzero.deepspeed.launch import launch
 
     script = tmp_path / "fails_on_rank_1.py"
     script.write_text(FAILING)
     mark = tmp_path / "rank0-started"
     started = time.monotonic()
-    status = launch(str(script), ["--flag", "x"], workers=2, address=ray_cluster, env={"MARK": str(mark)})
+    # through the command line (`rayzero launch`): options after the script are the script's
+    status = main(["launch", "--workers", "2", "--address", ray_cluster, "--env", f"MARK={mark}", str(script),
+                   "--flag", "x", "--workers", "9"])
     took = time.monotonic() - started
     assert status == 1
     err = capsys.readouterr().err
@@ -84,7 +87,7 @@ def test_a_failing_rank_ends_the_run_with_its_status_and_error(ray_cluster, tmp_
     assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == \
         {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
     assert env["MASTER_ADDR"] == ray.util.get_node_ip_address() and 0 < int(env["MASTER_PORT"]) < 65536
-    assert record["argv"] == [str(script), "--flag", "x"]
+    assert record["argv"] == [str(script), "--flag", "x", "--workers", "9"]
     assert (record["cwd"], record["name"]) == (os.getcwd(), "__main__")
     # rank 0, which would sleep 120 s, was ended: no rank actor is left
     assert took < 60, took
