@@ -1,4 +1,5 @@
-"""The ``rayzero`` command.  ``rayzero ckpt inspect|verify|export|import-deepspeed``; more groups plug in as subparsers.
+"""The ``rayzero`` command.  ``rayzero ckpt inspect|verify|export|import-deepspeed``, ``rayzero plot``, ``rayzero tune``,
+``rayzero launch``; more groups plug in as subparsers.
 
 Exit codes: 0 success, 1 a check failed (``verify`` found problems), 2 an error (bad checkpoint path,
 unreadable manifest, bad arguments).
@@ -199,11 +200,46 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_tune)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from rayzero.deepspeed.launch import launch
+
+    env = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--env {item!r}: write KEY=VALUE")
+        env[key] = value
+    try:
+        return launch(args.script, args.args, workers=args.workers, address=args.address, env=env,
+                      gpus_per_worker=args.gpus_per_worker)
+    except RuntimeError as e:  # the cluster cannot place the ranks
+        print(f"rayzero: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="run a DeepSpeed-style script on the Ray cluster, one actor per rank",
+                       description="Run SCRIPT as __main__ on N ranks of the Ray cluster (one actor each, placed "
+                       "together where they fit) with the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, "
+                       "LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT).  Exit status: 0 when every rank ends 0, else "
+                       "the first failing rank's.  See docs/deepspeed.md.")
+    p.add_argument("--workers", type=int, default=2, help="ranks to run (default 2)")
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in every rank before the script starts (repeatable); the ranks do not inherit this "
+                   "shell's environment")
+    p.add_argument("--gpus-per-worker", type=float, default=0, help="GPUs each rank holds (default 0)")
+    p.add_argument("script", help="the script's path, on every node a rank runs on")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    p.set_defaults(run=_launch)
+
+
 # Each command group registers itself here: (name, function that adds its subparser).
 COMMAND_GROUPS: list[tuple[str, Callable[[argparse._SubParsersAction], None]]] = [
     ("ckpt", _add_ckpt),
     ("plot", _add_plot),
     ("tune", _add_tune),
+    ("launch", _add_launch),
 ]
 
 
