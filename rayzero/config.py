@@ -278,7 +278,11 @@ class ZeroConfig(_Section):
             data[section] = {**keys, **({"pin_memory": True} if pin else {})}
         if pin:
             targets = [s for s in ("offload_optimizer", "offload_param") if isinstance(data.get(s), Mapping)]
-            if not targets or any("pin_memory" in data[s] and data[s]["pin_memory"] is not True for s in targets):
+            if not targets:  # nothing is offloaded, so there is nothing to pin (DeepSpeed accepts it too)
+                note_inert("zero_optimization.cpu_offload_use_pin_memory", True, "nothing is offloaded to pin")
+                del data["cpu_offload_use_pin_memory"]
+                return data
+            if any("pin_memory" in data[s] and data[s]["pin_memory"] is not True for s in targets):
                 raise ConfigError(
                     "config key 'zero_optimization.cpu_offload_use_pin_memory' is true but no offload section "
                     "takes it; write \"pin_memory\": true inside offload_optimizer / offload_param"
@@ -584,7 +588,8 @@ _TOP_INERT = {
     "memory_breakdown": inert_at(False, why=_OFF, refuse="memory use printed with the timers"),
     "dump_state": inert_at(False, why=_OFF, refuse="printing the engine's state at start-up"),
     "disable_allgather": inert_at(False, why=_OFF, refuse="broadcasts instead of all-gathers"),
-    "dataloader_drop_last": inert_at(False, why=_OFF, refuse="a data loader built by the engine"),
+    "dataloader_drop_last": Inert(why="read only by rayzero.deepspeed's data loader (initialize's training_data, "
+                                      "deepspeed_io); rayzero's own engine builds no loader"),
     "disable_python_gc": Inert(why=f"{_TUNING}: rayzero leaves Python's garbage collector as it is"),
     "log_level": Inert(why="DeepSpeed's own logger; rayzero logs to logger 'rayzero'"),
     # not a DeepSpeed key (DeepSpeedExamples' imagenet configs have it): DeepSpeed ignores it, as it ignores

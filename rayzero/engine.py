@@ -87,6 +87,11 @@ class Engine:
             self._build(model, model_parameters)
         except BaseException:
             self.parallel.destroy()  # the groups made above would otherwise outlive a failed set-up
+            blocks = getattr(self, "_checkpointed_blocks", None)
+            if blocks:  # (activation checkpointing wraps the blocks' forward early in set-up)
+                from rayzero.activation_checkpointing import unwrap_blocks
+
+                unwrap_blocks(blocks)
             raise
         end_of_set_up()  # what set-up freed leaves the process, under either policy (host_allocator.py)
         _live_engines.add(self)

@@ -57,7 +57,7 @@ def test_checkpoint_callable_gives_the_same_gradients_and_saves_less():
 
 @pytest.mark.parametrize("key", ["partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"])
 def test_keys_rayzero_cannot_honour_are_refused_with_the_reason(key):
-    with pytest.raises(NotSupportedYetError, match=f"'activation_checkpointing.{key}' = true is not supported: "):
+    with pytest.raises(NotSupportedYetError, match=f"'activation_checkpointing.{key}' = true is not supported yet by rayzero: "):
         Config.from_any({"activation_checkpointing": {key: True}})
     with pytest.raises(NotSupportedYetError, match=f"'activation_checkpointing.{key}'"):
         ac.configure(None, **{{"partition_activations": "partition_activations",

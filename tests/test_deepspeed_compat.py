@@ -136,10 +136,8 @@ def test_initialize_from_args_returns_deepspeeds_four_items(one_process, tmp_pat
         # the loader: micro-batches of 2, every sample once (DistributedSampler of one replica), last one short
         sizes = [len(y) for _, y in loader]
         assert sizes == [2, 2, 2, 2, 2] and len(loader) == 5
-        engine.eval()
-        assert not model.training
-        engine.train()
-        assert model.training
+        assert engine.eval() is engine and not model.training
+        assert engine.train() is engine and model.training
         assert engine.get_global_grad_norm() is None
         for i, (x, y) in enumerate(loader):
             loss = torch.nn.functional.cross_entropy(engine(x), y)
@@ -312,3 +310,59 @@ def test_checkpointing_is_deepspeeds_by_hand_api():
     assert deepspeed.checkpointing.is_configured()
     with pytest.raises(rayzero.NotSupportedYetError, match="partition_activations"):
         deepspeed.checkpointing.configure(None, partition_activations=True)
+
+
+def test_gathered_parameters_keep_fp32_masters_and_a_pending_backward(one_process):
+    """bf16: a block with a modifier rank writes back only what it changed (the masters are fp32, the gathered
+    copy bf16); after a forward whose backward has not run, the block leaves those parameters to the gatherer
+    and the next step trains; parameters built under zero.Init before initialize are refused."""
+    cfg = {**CONFIG, "bf16": {"enabled": True}}
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+        engine, *_ = deepspeed.initialize(model=model, config={**cfg, "zero_optimization": {"stage": stage}})
+        try:
+            x = torch.randn(2, 16)
+            masters = [g.master.clone() for g in engine.partitions.groups]
+            engine(x).float().sum()  # a forward with grad on and no backward (an eval loop without no_grad)
+            params = list(model.parameters())
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                pass
+            assert all(torch.equal(a, g.master) for a, g in zip(masters, engine.partitions.groups)), stage
+            with deepspeed.zero.GatheredParameters(params[0], modifier_rank=0):
+                with torch.no_grad():
+                    params[0][0, 0] = 0.5
+            after = torch.cat([g.master for g in engine.partitions.groups])
+            before = torch.cat(masters)
+            assert int((after != before).sum()) == 1 and 0.5 in after, stage
+            loss = engine(x).float().square().mean()
+            engine.backward(loss)
+            engine.step()
+            assert torch.isfinite(loss)
+        finally:
+            engine.destroy()
+    with rayzero.zero_init():
+        late = torch.nn.Linear(64, 64)
+    with pytest.raises(rayzero.NotSupportedYetError, match="before initialize"):
+        with deepspeed.zero.GatheredParameters(late.weight, modifier_rank=0):
+            pass
+
+
+def test_load_state_dict_from_zero_checkpoint_into_a_stage_3_model(one_process, tmp_path):
+    """The model a stage 3 engine trained: refused while the engine lives, loaded after its destroy()."""
+    model = _model()
+    engine, *_ = deepspeed.initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": 3}})
+    try:
+        x, y = torch.randn(2, 4), torch.randint(0, 3, (2,))
+        engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+        engine.step()
+        engine.save_checkpoint(tmp_path, tag="t")
+        whole = engine.engine.full_state_dict()
+        with pytest.raises(RuntimeError, match="destroy"):
+            zero_to_fp32.load_state_dict_from_zero_checkpoint(model, tmp_path)
+    finally:
+        engine.destroy()
+    loaded = zero_to_fp32.load_state_dict_from_zero_checkpoint(model, tmp_path)
+    assert all(torch.equal(loaded.state_dict()[k], whole[k]) for k in whole)
+    assert torch.equal(loaded(x), torch.nn.functional.linear(torch.relu(
+        torch.nn.functional.linear(x, whole["0.weight"], whole["0.bias"])), whole["2.weight"], whole["2.bias"]))

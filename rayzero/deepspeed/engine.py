@@ -130,11 +130,14 @@ class DeepSpeedEngine:
         return self._step_applied if hasattr(self, "_step_applied") else False
 
     # ---- training ----------------------------------------------------------------------------------
-    def train(self, mode: bool = True) -> None:
+    def train(self, mode: bool = True) -> "DeepSpeedEngine":
+        """The model's train mode; returns the engine, as DeepSpeed's engine (an nn.Module) does."""
         self.module.train(mode)
+        return self
 
-    def eval(self) -> None:
+    def eval(self) -> "DeepSpeedEngine":
         self.module.train(False)
+        return self
 
     def forward(self, *inputs, **kwargs):
         return self.engine.forward(*inputs, **kwargs)

@@ -107,10 +107,17 @@ class GatheredParameters:
         self.enabled = enabled
         self.engine = _engine_of(self.params) if enabled and self.params else None
         self._gathered: list[torch.nn.Parameter] = []
+        self._before: dict[int, torch.Tensor] = {}
 
     def __enter__(self):
         engine = self.engine
         if engine is None:
+            if self.enabled and any(hasattr(p, "_rayzero_shard") for p in self.params):
+                raise NotSupportedYetError(
+                    "GatheredParameters on parameters built under zero.Init before initialize is not supported "
+                    "yet: their shards are not gathered and a change to them would be lost; set their values in "
+                    "the module's constructor, or after initialize inside GatheredParameters(params, "
+                    "modifier_rank=0)")
             return self
         engine._check_alive()
         engine.publisher.finish()
@@ -122,13 +129,19 @@ class GatheredParameters:
                 f"GatheredParameters on parameters sliced by tensor or expert parallelism ({', '.join(sliced)}) "
                 "is not supported yet; take them whole with engine.full_state_dict()")
         managed = engine.gatherer.managed_set if engine.gatherer is not None else set()
+        # a parameter the gatherer holds gathered already (a forward whose backward has not run) stays as it is
+        held = engine.gatherer.gathered if engine.gatherer is not None else set()
         with torch.no_grad():
             for p in self.params:
-                if p in managed:
+                if p in managed and p not in held:
                     e = entry_of[p]
                     p.data = engine.partitions.gather_full(e).to(engine.compute_dtype)
                     _mark_gathered(p)
                     self._gathered.append(p)
+            # with a modifier rank, only the elements it changes are written back: the others keep their fp32
+            # master values (the gathered copy is in the compute dtype)
+            self._before = ({id(p): p.data.detach().clone() for p in self.params}
+                            if self.modifier_rank is not None else {})
         return self
 
     def __exit__(self, *exc):
@@ -144,6 +157,7 @@ class GatheredParameters:
                     p.data = engine.gatherer._placeholder
                     _mark_released(p)
             self._gathered = []
+            self._before = {}
         return False
 
     @torch.no_grad()
@@ -162,17 +176,23 @@ class GatheredParameters:
                 raise RuntimeError(
                     f"GatheredParameters: parameter {e.name!r} holds {value.numel()} elements at the end of the "
                     f"block, {e.numel} expected; keep its shape (and do not run the model's forward in the block)")
+            changed = (p.data != self._before[id(p)]).reshape(-1).to(device=parts.device, dtype=torch.float32)
             if engine.world_size > 1:
                 engine.comm.broadcast(value, src=self.modifier_rank)
+                engine.comm.broadcast(changed, src=self.modifier_rank)
             if g.master.numel() != g.layout.partition_numel:
                 raise NotSupportedYetError(
                     f"GatheredParameters(modifier_rank=...) on {e.name!r}, whose optimizer state is offloaded to "
                     "NVMe, is not supported yet; change the weights before initialize")
             out = parts.master_shard(e)
+            new, mask = out.clone(), torch.zeros_like(out)
             if g.world > 1:
-                shard_of(value, e, g.rank, out)
+                shard_of(value, e, g.rank, new)
+                shard_of(changed, e, g.rank, mask)
             else:  # not partitioned (stage 0): the rank holds the whole parameter
-                out[: e.numel].copy_(value)
+                new[: e.numel].copy_(value)
+                mask[: e.numel].copy_(changed)
+            out.copy_(torch.where(mask.bool(), new, out))
             if id(p) not in gathered and p.data.data_ptr() != out.data_ptr():
                 # whole on every rank (stages 0-2, stage 3's persistent ones): every copy takes the value
                 p.data.copy_(value.view(e.shape).to(p.dtype))

@@ -115,6 +115,10 @@ _METADATA_CALLS = frozenset({
 })
 
 
+# Tensor attributes that are views of a released parameter's values (every other attribute reads metadata)
+_VALUE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
 class ReleasedParameterError(RuntimeError):
     """A ZeRO stage-3 parameter's values were read where it is not gathered (outside its module's forward)."""
 
@@ -129,6 +133,10 @@ class ReleasedParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if name == "__get__":  # an attribute: metadata, except the few that are views of the values
+            attr = getattr(getattr(func, "__self__", None), "__name__", "")
+            if attr in _VALUE_ATTRIBUTES:
+                name = f".{attr}"
         if name in ("__get__", "__set__", "__delete__") or name in _METADATA_CALLS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -144,7 +152,7 @@ def _released_message(p, call: str) -> str:
     name = getattr(p, "_rayzero_name", "?")
     shape = tuple(getattr(p, "_rayzero_shape", ()))
     return (
-        f"{call}() read ZeRO stage 3 parameter {name!r} (shape {shape}) where it is not gathered: outside the "
+        f"{call if call.startswith('.') else call + '()'} read ZeRO stage 3 parameter {name!r} (shape {shape}) where it is not gathered: outside the "
         "forward of its module, each rank holds only its shard and the parameter's data is an empty "
         "placeholder. Read it inside `with rayzero.deepspeed.zero.GatheredParameters(param):` (with "
         "modifier_rank=R to change it), or take the whole weights with engine.full_state_dict()"

@@ -113,8 +113,19 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag=None) -> torch.nn.Module:
     """Move ``model`` to the CPU and load the checkpoint's fp32 weights into it (``strict=False``, as
-    DeepSpeed does); returns the model."""
+    DeepSpeed does); returns the model.  A model a live engine trains is refused (destroy the engine first);
+    the stand-ins a ZeRO stage 3 engine's ``destroy()`` left are replaced by the loaded tensors."""
+    from rayzero.deepspeed.zero import _engine_of
+    from rayzero.zero.stage3 import freed_by_destroy
+
+    params = list(model.parameters())
+    if _engine_of(params) is not None:
+        raise RuntimeError(
+            "load_state_dict_from_zero_checkpoint: a live rayzero engine trains this model, so its parameters "
+            "are partitioned; call engine.destroy() first, or load the checkpoint into the engine with "
+            "engine.load_checkpoint(checkpoint_dir)")
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    stand_ins = any(freed_by_destroy(p) for p in params)
     model = model.cpu()
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state, strict=False, assign=stand_ins)
     return model
