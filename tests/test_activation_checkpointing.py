@@ -86,3 +86,15 @@ def test_a_model_without_repeated_blocks_says_how_to_name_them(caplog):
     engine = rayzero.initialize(net, {"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {}})
     assert [m for m in net.modules() if "forward" in m.__dict__] == [net.blocks[0], net.blocks[2]]
     engine.destroy()
+
+
+def test_a_failed_initialize_leaves_no_block_wrapped():
+    """Set-up that fails after the blocks were wrapped (here: OneCycle's betas under graph capture) puts their
+    forward back, so a later engine without the section does not checkpoint them."""
+    net = BlockNet()
+    cfg = {"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {}, "graph_capture": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}}
+    with pytest.raises(rayzero.ConfigError, match="cycle_momentum"):
+        rayzero.initialize(net, cfg)
+    assert [m for m in net.modules() if "forward" in m.__dict__] == []
