@@ -432,3 +432,31 @@ def test_tensorboard_events_where_tensorboard_is_installed(tmp_path):
         rows = _read_csv(tmp_path / "csv" / (tag.replace("/", "_") + ".csv"))[1:]
         assert [e.step for e in acc.Scalars(tag)] == [int(r[0]) for r in rows]
         assert [e.value for e in acc.Scalars(tag)] == pytest.approx([float(r[1]) for r in rows], rel=1e-6)
+
+
+def test_wandb_logs_where_wandb_is_installed(tmp_path, monkeypatch):
+    """Where the wandb package is installed: an offline run gets the csv sink's events (its summary holds each
+    one's value at the run's last committed step)."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    torch.manual_seed(0)
+    engine = rayzero.initialize(torch.nn.Linear(4, 1), {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "wandb": {"enabled": True, "project": "rayzero-test"},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "csv"}})
+    try:
+        for _ in range(4):
+            engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+            engine.step()
+        run = wandb.run
+        assert run is not None and run.project == "rayzero-test"
+        step = run.summary["_step"]  # (wandb commits a step's row when a later step is logged)
+        assert step > 0
+        for tag in ("Train/Samples/train_loss", "Train/Samples/lr"):
+            rows = {int(r[0]): float(r[1]) for r in _read_csv(tmp_path / "csv" / (tag.replace("/", "_") + ".csv"))[1:]}
+            assert run.summary[tag] == pytest.approx(rows[step], rel=1e-12)
+    finally:
+        engine.destroy()
+        wandb.finish()
