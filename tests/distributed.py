@@ -43,7 +43,24 @@ def run_distributed(
 
     With ``init_pg=False`` the processes get only the standard environment variables (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT) and no process group, as a launcher leaves them.
+
+    A rendezvous whose port another process took between ``free_port()`` and the store's bind (a Ray cluster of
+    the suite starts processes all the while) is run again on a new port: ``fn`` had not started.
     """
+    for attempt in range(3):
+        try:
+            return _run(fn, world, args, kwargs, timeout, env, init_pg)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(AssertionError):
+    """Rank 0's store could not listen on the chosen port (EADDRINUSE) before ``fn`` ran."""
+
+
+def _run(fn, world: int, args, kwargs, timeout: float, env: dict | None, init_pg: bool) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -69,7 +86,10 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
     if errors:
-        raise AssertionError("\n".join(errors))
+        text = "\n".join(errors)
+        if "EADDRINUSE" in text and 'dist.init_process_group("gloo", rank=rank, world_size=world)' in text:
+            raise _PortTaken(text)
+        raise AssertionError(text)
     return [results[r] for r in range(world)]
 
 
