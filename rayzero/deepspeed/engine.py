@@ -249,14 +249,13 @@ class DeepSpeedEngine:
         if tag is None:
             latest = storage.join(LATEST)
             if not storage.exists(latest):
-                logger.warning("Unable to find latest file at %s, if trying to load latest checkpoint please ensure "
-                               "this file exists or pass an explicit checkpoint tag when loading a checkpoint.",
-                               latest)
+                logger.warning("load_checkpoint: there is no 'latest' file at %s, so no checkpoint was loaded; "
+                               "pass tag= to load a given one", latest)
                 return None, None
             tag = storage.read_bytes(latest).decode().strip()
         tag = str(tag)
         if not storage.exists(storage.join(tag, MANIFEST)) and not storage.is_dir(storage.join(tag)):
-            logger.warning("Client provided checkpoint load path: %s does not exist ... skip checkpoint load",
+            logger.warning("load_checkpoint: checkpoint %s does not exist, so no checkpoint was loaded",
                            storage.join(tag))
             return None, None
         client_state = self.engine.load_checkpoint(load_dir, tag, strict=load_module_strict)
@@ -273,7 +272,8 @@ class DeepSpeedEngine:
             raise _refuse("save_16bit_model", "exclude_frozen_parameters=True", "save the whole model")
         path = os.path.join(save_dir, save_filename)
         if self.engine.stage == 3 and not self.zero_gather_16bit_weights_on_model_save():
-            logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is False", path)
+            logger.info("save_16bit_model: %s not written: at ZeRO stage 3 it needs zero_optimization."
+                        "stage3_gather_16bit_weights_on_model_save true", path)
             return False
         state = self.engine.full_state_dict(rank0_only=True, cpu_offload=True)
         if self.engine.rank == 0:

@@ -31,11 +31,11 @@ def _tag(checkpoint_dir, tag):
     if tag is None:
         latest = storage.join(LATEST)
         if not storage.exists(latest):
-            raise ValueError(f"Unable to find 'latest' file at {latest}")
+            raise ValueError(f"there is no 'latest' file at {latest}: pass tag= to name the checkpoint to read")
         tag = storage.read_bytes(latest).decode().strip()
     tag = str(tag)
     if not storage.exists(storage.join(tag, MANIFEST)) and not storage.is_dir(storage.join(tag)):
-        raise FileNotFoundError(f"Directory '{storage.join(tag)}' doesn't exist")
+        raise FileNotFoundError(f"checkpoint {storage.join(tag)} does not exist")
     return tag
 
 
