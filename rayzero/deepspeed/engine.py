@@ -180,7 +180,7 @@ class DeepSpeedEngine:
         ``train_micro_batch_size_per_gpu`` samples per batch, ``dataloader_drop_last`` from the config.
         The batches are loaded in this process unless ``num_local_io_workers`` says otherwise."""
         if not isinstance(dataset, torch.utils.data.Dataset):
-            raise ValueError("Training data must be a torch Dataset")
+            raise ValueError(f"training_data must be a torch Dataset (map-style), not {type(dataset).__name__}")
         if isinstance(dataset, torch.utils.data.IterableDataset):
             raise _refuse("training_data", "an IterableDataset",
                           "pass a map-style dataset, or iterate your own loader and feed the engine")
