@@ -177,9 +177,10 @@ class GatheredParameters:
                     f"GatheredParameters: parameter {e.name!r} holds {value.numel()} elements at the end of the "
                     f"block, {e.numel} expected; keep its shape (and do not run the model's forward in the block)")
             changed = (p.data != self._before[id(p)]).reshape(-1).to(device=parts.device, dtype=torch.float32)
-            if engine.world_size > 1:
-                engine.comm.broadcast(value, src=self.modifier_rank)
-                engine.comm.broadcast(changed, src=self.modifier_rank)
+            if engine.world_size > 1:  # the values and which of them changed, in one broadcast
+                both = torch.cat([value, changed])
+                engine.comm.broadcast(both, src=self.modifier_rank)
+                value, changed = both[: e.numel], both[e.numel:]
             if g.master.numel() != g.layout.partition_numel:
                 raise NotSupportedYetError(
                     f"GatheredParameters(modifier_rank=...) on {e.name!r}, whose optimizer state is offloaded to "

@@ -47,11 +47,11 @@ def _bad(path: str, value: Any, requirement: str) -> ConfigError:
     return ConfigError(f"config key '{path}' = {value!r} is invalid: {requirement}")
 
 
-def _as_int(path: str, value: Any, minimum: int) -> int:
+def _as_int(path: str, value: Any, minimum: int, why: str = "") -> int:
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _bad(path, value, f"must be an integer >= {minimum}")
+        raise _bad(path, value, f"must be an integer >= {minimum}{why}")
     return value
 
 
@@ -89,12 +89,8 @@ def _as_bool(path: str, value: Any) -> bool:
 
 
 def _as_warmup_steps(path: str, value: Any) -> int:
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(path, value, "must be an integer >= 1 (as in DeepSpeed); for a constant learning rate "
-                                "leave out the 'scheduler' section")
-    return value
+    return _as_int(path, value, 1, " (as in DeepSpeed); for a constant learning rate leave out the 'scheduler' "
+                                   "section")
 
 
 def _per_group(name: str, value: float | Sequence[float], n_groups: int) -> list[float]:
