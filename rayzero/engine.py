@@ -36,6 +36,7 @@ from rayzero.parallel.slicing import canonical_to_full
 from rayzero.parallel.state import ParallelState
 from rayzero.topology import ParallelDims
 from rayzero.zero.buckets import engine_bucket_plan
+from rayzero.zero.grad_pool import GradientPool, pool_linear_gradients, unpool_linear_gradients
 from rayzero.zero.partition import Partitions
 from rayzero.zero.publish import ALIAS_ALONE_FROM, WaitForWeights, WeightPublisher
 from rayzero.zero.reducer import GradientReducer
@@ -87,6 +88,7 @@ class Engine:
             self._build(model, model_parameters)
         except BaseException:
             self.parallel.destroy()  # the groups made above would otherwise outlive a failed set-up
+            unpool_linear_gradients(getattr(self, "_pooled_linears", []))
             blocks = getattr(self, "_checkpointed_blocks", None)
             if blocks:  # (activation checkpointing wraps the blocks' forward early in set-up)
                 from rayzero.activation_checkpointing import unwrap_blocks
@@ -202,6 +204,10 @@ class Engine:
             )
         self._checkpointed_blocks = self._checkpoint_activations(model)
         self.buckets = engine_bucket_plan(model, self.partitions, self.parallel.dp, cfg, self.rank)
+        # under the keep policy, nn.Linear's weight gradients come from buffers the reducer hands back, so
+        # the heap is not left with a hole per gradient (zero/grad_pool.py)
+        grad_pool = (GradientPool() if self.host_allocator is not None and self.host_allocator["policy"] == "keep"
+                     and not cfg.graph_capture.enabled else None)
         self.reducer = GradientReducer(
             self.partitions,
             # with offload, stage 1 reduces every backward into its one host accumulator per group, as
@@ -211,7 +217,10 @@ class Engine:
             cfg.comm_dtype,
             self.topology.dp,
             on_param_reduced=self.gatherer.on_param_reduced if self.gatherer else None,
+            grad_pool=grad_pool,
         )
+        self._pooled_linears = (pool_linear_gradients(model, set(self.reducer.bucket_of), grad_pool)
+                                if grad_pool is not None else [])
         # stage 3 on one host: the ranks may keep one copy of the weights instead of gathering them
         share3 = (self.gatherer is not None and z.offload_param.device == "none" and device.type == "cpu"
                   and (z.stage3_share_weights if z.stage3_share_weights is not None
@@ -628,6 +637,7 @@ class Engine:
             self.monitor.close()
         _live_engines.discard(self)
         self.reducer.remove_hooks()
+        unpool_linear_gradients(self._pooled_linears)
         if self._checkpointed_blocks:
             from rayzero.activation_checkpointing import unwrap_blocks
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import rayzero
+from rayzero.activation_checkpointing import _WRAPPED_ATTR
 from zero_cases import base_config
 
 IN, D, FF, OUT, BLOCKS = 13, 19, 43, 7, 4
@@ -72,9 +73,9 @@ def train(rank: int, world: int, stage: int, checkpointing: bool, steps: int = 3
         engine.step()
         losses.append(loss.item())
     state = engine.full_state_dict()
-    wrapped = sum("forward" in m.__dict__ for m in model.modules())
+    wrapped = sum(_WRAPPED_ATTR in m.__dict__ for m in model.modules())
     engine.destroy()
-    unwrapped = sum("forward" in m.__dict__ for m in model.modules())
+    unwrapped = sum("forward" in m.__dict__ for m in model.modules())  # the engine put back every forward it set
     return {"losses": losses, "state": state, "saved": saved, "wrapped": wrapped, "unwrapped": unwrapped}
 
 

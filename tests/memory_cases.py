@@ -119,9 +119,7 @@ def _status_mib(field: str) -> float:
     raise KeyError(field)
 
 
-def _malloc_held_mib() -> float:
-    """MiB glibc's malloc has handed out and not had back: blocks in use in its heaps plus its own mappings
-    (``mallinfo2``: ``uordblks + hblkhd``); free blocks the heap keeps are not in it."""
+def _mallinfo2():
     import ctypes
 
     class Mallinfo2(ctypes.Structure):
@@ -130,13 +128,25 @@ def _malloc_held_mib() -> float:
 
     mallinfo2 = ctypes.CDLL(None).mallinfo2
     mallinfo2.restype = Mallinfo2
-    info = mallinfo2()
+    return mallinfo2()
+
+
+def _malloc_held_mib() -> float:
+    """MiB glibc's malloc has handed out and not had back: blocks in use in its heaps plus its own mappings
+    (``mallinfo2``: ``uordblks + hblkhd``); free blocks the heap keeps are not in it."""
+    info = _mallinfo2()
     return (info.uordblks + info.hblkhd) / 2**20
 
 
-def peak_rss_over_baseline(rank: int, world: int, zero: dict, dim: int, hidden: int, blocks: int) -> dict:
+def _heap_free_mib() -> float:
+    """MiB of free blocks glibc's heaps keep (``mallinfo2().fordblks``)."""
+    return _mallinfo2().fordblks / 2**20
+
+
+def peak_rss_over_baseline(rank: int, world: int, zero: dict, dim: int, hidden: int, blocks: int,
+                           steps: int = 3) -> dict:
     """Peak RSS (VmHWM) of one rank over its own warm baseline, set-up included: the model built under
-    ``zero_init``, ``initialize``, and three steps, with the config's defaults besides ``zero``; in the
+    ``zero_init``, ``initialize``, and ``steps`` steps, with the config's defaults besides ``zero``; in the
     environment a user has (the test clears glibc's MALLOC_* variables)."""
     import ctypes
 
@@ -163,12 +173,14 @@ def peak_rss_over_baseline(rank: int, world: int, zero: dict, dim: int, hidden: 
     # after set-up: the anonymous memory it added, and how much of that the allocator's live blocks explain
     setup = {"anon_mib": _status_mib("RssAnon") - anon0, "held_mib": _malloc_held_mib() - held0}
     g = torch.Generator().manual_seed(rank)
-    for _ in range(3):
+    heap_free = []  # after each step
+    for _ in range(steps):
         x = torch.randn(4, dim, generator=g)
         loss = F.mse_loss(engine(x), x)
         engine.backward(loss)
         engine.step()
+        heap_free.append(_heap_free_mib())
     out = {"peak_mib": _status_mib("VmHWM") - baseline, "policy": (engine.host_allocator or {}).get("policy"),
-           "setup": setup}
+           "setup": setup, "heap_free_mib": heap_free}
     engine.destroy()
     return out

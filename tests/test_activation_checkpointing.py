@@ -84,7 +84,7 @@ def test_a_model_without_repeated_blocks_says_how_to_name_them(caplog):
     net = BlockNet()
     mark_gather_unit(net.blocks[0], net.blocks[2])  # marks choose the blocks, as for stage 3's units
     engine = rayzero.initialize(net, {"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": {}})
-    assert [m for m in net.modules() if "forward" in m.__dict__] == [net.blocks[0], net.blocks[2]]
+    assert [m for m in net.modules() if ac._WRAPPED_ATTR in m.__dict__] == [net.blocks[0], net.blocks[2]]
     engine.destroy()
 
 

@@ -22,11 +22,13 @@ large buffers again (offloaded steps are bound by the copies and the disk anyway
 At the end of set-up the engine trims the heap once under either policy (:func:`end_of_set_up`): what set-up
 freed is not a step's working set.
 
-Under the keep policy freed heap still grows over the first steps beyond the step's live buffers: torch's
-CPU tensors come from ``posix_memalign(64, n)``, and glibc (2.36) frees the alignment slivers around each
-block into its per-thread cache of small blocks, so a freed block of ``n`` bytes cannot merge with its
+Under the keep policy freed heap would still grow over the first steps beyond the step's live buffers:
+torch's CPU tensors come from ``posix_memalign(64, n)``, and glibc (2.36) frees the alignment slivers around
+each block into its per-thread cache of small blocks, so a freed block of ``n`` bytes cannot merge with its
 neighbours and is too small for the next ``posix_memalign(64, n)`` (docs/design.md "Freed memory kept for
-reuse"; ``python bench/heap_phases.py``).
+reuse"; ``python bench/heap_phases.py``).  The engine therefore computes ``nn.Linear``'s weight gradients,
+the step's largest allocations, into buffers it reuses (rayzero/zero/grad_pool.py) wherever this policy
+applies.
 
 ``rayzero.initialize`` applies one of the two (:func:`configure_host_allocator`) on a CPU device without
 offload, and on any device with offload, unless:

@@ -19,6 +19,10 @@ Stage policies:
   on first touch, which on CPU made every stage-2 backward pay for zeroing new memory (about a third of
   the step on a small model).
 
+On a CPU device under the keep policy (accelerator/host_allocator.py) the weight gradients of ``nn.Linear``
+come from a :class:`~rayzero.zero.grad_pool.GradientPool`; the hook gives each back to it once copied into its
+bucket, so the next layer's gradient reuses the same block of memory.
+
 Where the reduction domain's ranks share a host (rayzero/comm/shm.py), the bucket buffers come from an
 exposed region instead: memory every rank of the group maps, so a reduce-scatter reads each rank's rows
 where they lie, without copying them through the transport first.  A buffer is never zeroed whole: the
@@ -48,6 +52,7 @@ import torch
 
 from rayzero.comm import Handle
 from rayzero.offload.staging import accelerator_for
+from rayzero.zero.grad_pool import GradientPool
 from rayzero.zero.layout import ParamEntry, copy_into_rows, zero_padding
 from rayzero.zero.partition import GroupPartition, Partitions
 
@@ -133,12 +138,15 @@ class GradientReducer:
         comm_dtype: torch.dtype,
         data_parallel_size: int,
         on_param_reduced: Callable[[torch.nn.Parameter], None] | None = None,
+        grad_pool: GradientPool | None = None,
     ):
         self.partitions = partitions
         self.stage = stage
         self.comm_dtype = comm_dtype
         self.dp = data_parallel_size
         self.on_param_reduced = on_param_reduced
+        # spent gradients go back here, for the next layer's weight gradient (zero/grad_pool.py)
+        self.grad_pool = grad_pool
         # 16-bit reductions divide before summing so the sum cannot overflow; fp32 divides once at the end.
         self.predivide = comm_dtype != torch.float32
         self.buckets = make_buckets(partitions, bucket_elements)
@@ -218,10 +226,12 @@ class GradientReducer:
                 if accumulate:
                     b.rows[r].copy_(b.own)
                 b.own = None
-            if (not accumulate and self.reduce_now and len(b.entries) == 1 and b.cols == e.chunk
+            if (self.grad_pool is None and not accumulate and self.reduce_now and len(b.entries) == 1
+                    and b.cols == e.chunk
                     and e.numel == w * e.chunk and flat.dtype == b.rows.dtype == self.comm_dtype):
                 # a bucket of one unpadded parameter, reduced in this backward: the peers' rows are copied
-                # in, and the reduction reads this rank's own row where it lies in the gradient
+                # in, and the reduction reads this rank's own row where it lies in the gradient (not where
+                # the gradient goes back to the pool now: its memory serves the next layer's gradient)
                 parts = flat.view(w, e.chunk)
                 for j in range(w):
                     if j != r:
@@ -233,6 +243,9 @@ class GradientReducer:
                 copy_into_rows(b.rows, col, e.chunk, flat, accumulate=accumulate)
             b.written.add(e.index_in_group)
         param.grad = None
+        if self.grad_pool is not None:  # nothing reads it any more (no own row is kept with a pool)
+            del flat
+            self.grad_pool.give(grad)
         b.ready.add(e.index_in_group)
         self.pending = True
         if self.on_param_reduced is not None:
@@ -471,8 +484,10 @@ class GradientReducer:
             h.remove()
         self._hooks = []
         for b in self.buckets:
-            b.rows = b.out = b.send = b.handle = None
+            b.rows = b.out = b.send = b.handle = b.own = None
         self._pool.clear()
+        if self.grad_pool is not None:
+            self.grad_pool.clear()
         self._reuse_after.clear()
         if self._to_host:  # the copies still write the host buffers about to go
             self._to_host[-1][3].synchronize()
