@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -350,4 +352,15 @@ def own_row_apart(rank: int, world: int, exposed_on: str) -> dict:
         gloo.reduce_scatter(via_gloo, gloo_rows, own=own).wait()
         out[cols] = (torch.equal(got, expected), torch.equal(via_gloo, expected))
     shm.close()
+    return out
+
+
+def on_both_transports(rank: int, world: int, fn, cases: list) -> dict:
+    """``fn(rank, world, *case)`` for every case, once on shared memory and once over gloo, in one spawn of the
+    ranks (``RAYZERO_SHM`` is read when a group is made): ``{(shm, case): result}``, shm "1" or "0"."""
+    out = {}
+    for shm in ("1", "0"):
+        os.environ["RAYZERO_SHM"] = shm
+        for case in cases:
+            out[(shm, tuple(case))] = fn(rank, world, *case)
     return out

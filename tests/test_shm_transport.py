@@ -76,13 +76,22 @@ def test_a_shared_tensor_is_one_memory_on_every_rank():
         assert torch.equal(r["seen"], torch.tensor([10.0] * 3 + [11.0] * 3 + [12.0] * 3))
 
 
-@pytest.mark.parametrize("stage,dtype,share", [
+ENGINE_CASES = [
     (1, "fp32", None), (1, "bf16", None), (2, "fp32", None), (2, "bf16", None),
     # stage 3 shares its weights where that costs no more memory than gathering (here: both dtypes)
-    (3, "fp32", None), (3, "bf16", None), (3, "fp32", False), (3, "bf16", False)])
-def test_an_engine_on_one_host_shares_weights_and_trains_like_gloo(stage, dtype, share):
-    shm = run_distributed(shm_cases.engine_on_one_host, 2, stage, dtype, share, env={"RAYZERO_SHM": "1"})
-    gloo = run_distributed(shm_cases.engine_on_one_host, 2, stage, dtype, share, env={"RAYZERO_SHM": "0"})
+    (3, "fp32", None), (3, "bf16", None), (3, "fp32", False), (3, "bf16", False)]
+
+
+@pytest.fixture(scope="module")
+def engine_runs():
+    """Every case on both transports in one spawn of 2 ranks (one engine after another, each destroyed)."""
+    return run_distributed(shm_cases.on_both_transports, 2, shm_cases.engine_on_one_host, ENGINE_CASES)
+
+
+@pytest.mark.parametrize("stage,dtype,share", ENGINE_CASES)
+def test_an_engine_on_one_host_shares_weights_and_trains_like_gloo(engine_runs, stage, dtype, share):
+    shm = [r[("1", (stage, dtype, share))] for r in engine_runs]
+    gloo = [r[("0", (stage, dtype, share))] for r in engine_runs]
     assert [r["transport"] for r in shm] == ["ShmTransport"] * 2
     assert [r["transport"] for r in gloo] != ["ShmTransport"] * 2
     # two ranks: every sum has one order, so the transports train bitwise alike
@@ -117,15 +126,24 @@ def test_an_engine_on_one_host_shares_weights_and_trains_like_gloo(stage, dtype,
         assert all(r["destroyed_left_stand_ins"] for r in shm + gloo)
 
 
-@pytest.mark.parametrize("layers,dtype,prefetch,shares", [
+SHARE_CASES = [
     (3, "fp32", None, True),  # a rank's shards (1.5 units) fit in the largest unit + two units of prefetch
     (8, "fp32", None, False),  # 4 units' worth of shards: more than gathering holds (3)
     (8, "fp32", 4 * 64 * 64, True),  # a larger prefetch budget holds them
     (8, "bf16", None, True),  # 16-bit: the shared shards replace the gathers' compute-dtype partition
-])
-def test_stage3_shares_weights_on_a_host_where_that_costs_no_more_memory(layers, dtype, prefetch, shares):
-    shm = run_distributed(shm_cases.stage3_share_choice, 2, layers, dtype, prefetch, env={"RAYZERO_SHM": "1"})
-    gloo = run_distributed(shm_cases.stage3_share_choice, 2, layers, dtype, prefetch, env={"RAYZERO_SHM": "0"})
+]
+
+
+@pytest.fixture(scope="module")
+def share_runs():
+    return run_distributed(shm_cases.on_both_transports, 2, shm_cases.stage3_share_choice,
+                           [case[:3] for case in SHARE_CASES])
+
+
+@pytest.mark.parametrize("layers,dtype,prefetch,shares", SHARE_CASES)
+def test_stage3_shares_weights_on_a_host_where_that_costs_no_more_memory(share_runs, layers, dtype, prefetch, shares):
+    shm = [r[("1", (layers, dtype, prefetch))] for r in share_runs]
+    gloo = [r[("0", (layers, dtype, prefetch))] for r in share_runs]
     assert [r["shares"] for r in shm] == [shares, shares]
     assert [r["units"] for r in shm] == ([0, 0] if shares else [layers, layers])
     assert not any(r["shares"] for r in gloo) and all(r["units"] == layers for r in gloo)
