@@ -127,3 +127,14 @@ def test_gradients_reach_their_hooks_in_autograds_order():
         net(torch.randn(4, 64)).sum().backward()
         orders.append(order)
     assert orders[0] == orders[1] == ["3.bias", "3.weight", "2.weight", "0.bias", "0.weight"]
+
+
+def test_a_model_with_pooled_layers_saves_and_loads_whole(tmp_path):
+    """torch.save of the module itself (not its state dict) while the engine holds it: the loaded copy runs
+    the layers' own forward."""
+    net = _net(torch.float32)
+    pool_linear_gradients(net, set(net.parameters()), GradientPool())
+    torch.save(net, tmp_path / "net.pt")
+    loaded = torch.load(tmp_path / "net.pt", weights_only=False)
+    x = torch.randn(4, 64)
+    assert torch.equal(loaded(x), net(x))

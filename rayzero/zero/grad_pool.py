@@ -14,8 +14,8 @@ backward computes the weight gradient with the same matrix product autograd uses
 so the values are bit for bit autograd's) into a buffer taken from a :class:`GradientPool`.  Autograd
 hands that tensor to the parameter as its ``.grad`` (it is the only reference, so it is not copied); the
 reducer copies it into its bucket and gives it back to the pool once nothing reads it any more
-(zero/reducer.py).  The pool keeps a few buffers per shape, so a backward reuses the same few blocks
-from one layer to the next.
+(zero/reducer.py).  The pool keeps one buffer per gradient size (given another shape of as many elements
+in place), so a backward reuses the same block from one layer to the next.
 
 The pool takes back only a tensor nobody else can see: no other reference to the tensor, no view of its
 storage.  A gradient a user's hook kept is simply not reused.  It is used on a CPU device (an accelerator's
@@ -113,6 +113,11 @@ def _pooled_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # order its own linear does (the bias's first), which is the order of the reducer's buckets
         return _PooledLinear.apply(x, self.bias, self.weight, self._rayzero_grad_pool)
     return F.linear(x, self.weight, self.bias)
+
+
+# named as the method it stands in for: a pickled model (torch.save of the module) stores a bound method as
+# its object and name, and loads that name's method back (the layer's own forward) instead of failing
+_pooled_forward.__name__ = _pooled_forward.__qualname__ = "forward"
 
 
 def pool_linear_gradients(model: torch.nn.Module, params: set, pool: GradientPool) -> list[torch.nn.Linear]:
