@@ -151,8 +151,9 @@ class ReleasedParameter(torch.nn.Parameter):
 def _released_message(p, call: str) -> str:
     name = getattr(p, "_rayzero_name", "?")
     shape = tuple(getattr(p, "_rayzero_shape", ()))
+    what = call if call.startswith(".") else f"{call}()"  # an attribute (".T") or a call ("sum()")
     return (
-        f"{call if call.startswith('.') else call + '()'} read ZeRO stage 3 parameter {name!r} (shape {shape}) where it is not gathered: outside the "
+        f"{what} read ZeRO stage 3 parameter {name!r} (shape {shape}) where it is not gathered: outside the "
         "forward of its module, each rank holds only its shard and the parameter's data is an empty "
         "placeholder. Read it inside `with rayzero.deepspeed.zero.GatheredParameters(param):` (with "
         "modifier_rank=R to change it), or take the whole weights with engine.full_state_dict()"
