@@ -42,7 +42,7 @@ from rayzero.zero.publish import ALIAS_ALONE_FROM, WaitForWeights, WeightPublish
 from rayzero.zero.reducer import GradientReducer
 from rayzero.zero.init import materialize_frozen
 from rayzero.zero.update import update, weights_can_be_shared
-from rayzero.zero.stage3 import ParamGatherer, freed_by_destroy
+from rayzero.zero.stage3 import ParamGatherer, auto_units_are_blocks, freed_by_destroy
 from rayzero.memory import sub_group_size
 from rayzero.offload.optimizer import NvmeOptimizerSwap, check_model_states_fit, resolve_offload_device
 
@@ -201,6 +201,7 @@ class Engine:
                 accelerator=self.accelerator,
                 unit_rule=z.stage3_gather_unit,
                 prefetch_elements=z.stage3_prefetch_bucket_size,
+                auto_blocks=auto_units_are_blocks(z),
             )
         self._checkpointed_blocks = self._checkpoint_activations(model)
         self.buckets = engine_bucket_plan(model, self.partitions, self.parallel.dp, cfg, self.rank)
@@ -218,6 +219,7 @@ class Engine:
             self.topology.dp,
             on_param_reduced=self.gatherer.on_param_reduced if self.gatherer else None,
             grad_pool=grad_pool,
+            max_inflight=GradientReducer.inflight_for(z),
         )
         self._pooled_linears = (pool_linear_gradients(model, set(self.reducer.bucket_of), grad_pool)
                                 if grad_pool is not None else [])

@@ -477,13 +477,15 @@ def _largest_bucket(sizes: list[int], max_elements: int) -> int:
     return max(largest, size)
 
 
-def gather_units(model: torch.nn.Module, managed: dict, rule: str, numel: Callable) -> list[int]:
+def gather_units(model: torch.nn.Module, managed: dict, rule: str, numel: Callable,
+                 auto_blocks: bool = True) -> list[int]:
     """Elements of each stage-3 gather unit (the sum of its managed parameters' padded sizes), cut as
-    ``ParamGatherer`` cuts them (``zero/stage3.unit_modules``: ``rule`` is ``stage3_gather_unit``);
-    ``managed`` maps each managed parameter to its padded elements."""
+    ``ParamGatherer`` cuts them (``zero/stage3.unit_modules``: ``rule`` is ``stage3_gather_unit``,
+    ``auto_blocks`` ``zero/stage3.auto_units_are_blocks``); ``managed`` maps each managed parameter to its
+    padded elements."""
     from rayzero.zero.stage3 import unit_modules
 
-    blocks = unit_modules(model, rule, numel)
+    blocks = unit_modules(model, rule, numel, auto_blocks)
     in_block = {id(sub) for b in blocks for sub in b.modules()}
     owners = [b.parameters() for b in blocks]
     owners += [m._parameters.values() for m in model.modules() if id(m) not in in_block]
@@ -530,6 +532,7 @@ def rank_memory(model_or_params: Any, cfg, world: int, *, offload: str | None = 
     """
     from rayzero.zero.buckets import derive_bucket_sizes
     from rayzero.zero.reducer import GradientReducer
+    from rayzero.zero.stage3 import auto_units_are_blocks
 
     z = cfg.zero_optimization
     offload = _offload_of(cfg, offload)
@@ -580,7 +583,8 @@ def rank_memory(model_or_params: Any, cfg, world: int, *, offload: str | None = 
     if stage == 3:
         elements = {p: s.elements for p, s in zip(params, shares)}
         managed = {p: n for p, n in padded.items() if elements[p] > threshold}
-        units = gather_units(model, managed, z.stage3_gather_unit, lambda p: int(elements.get(p, p.numel())))
+        units = gather_units(model, managed, z.stage3_gather_unit, lambda p: int(elements.get(p, p.numel())),
+                             auto_units_are_blocks(z))
         prefetch = z.overlap_comm and z.stage3_prefetch_bucket_size != 0
         gathered = gathered_elements(units, prefetch, z.stage3_prefetch_bucket_size) * w
 
@@ -612,7 +616,7 @@ def rank_memory(model_or_params: Any, cfg, world: int, *, offload: str | None = 
     reduces_in_buckets = stage >= 2 or (stage == 1 and offload != "none")  # stages 0-1: the rows are the grads
     if reduces_in_buckets and padded:
         largest = _largest_bucket(list(padded.values()), plan.reduce_bucket_size)
-        buckets += (GradientReducer.MAX_INFLIGHT + 1) * largest * cfg.comm_dtype.itemsize
+        buckets += (GradientReducer.inflight_for(z) + 1) * largest * cfg.comm_dtype.itemsize
     if stage in (1, 2) and padded:  # publishing: two all-gather buckets in flight
         buckets += 2 * min(plan.allgather_bucket_size, sum(padded.values())) * w
 

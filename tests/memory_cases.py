@@ -102,7 +102,7 @@ def engine_tensors(rank: int, world: int, cfg: dict) -> dict:
         "reduce_bucket_size": engine.buckets.reduce_bucket_size,
         "allgather_bucket_size": engine.buckets.allgather_bucket_size,
         "largest_reduce_bucket": max(b.group.world * b.cols for b in engine.reducer.buckets),
-        "max_inflight": type(engine.reducer).MAX_INFLIGHT,
+        "max_inflight": engine.reducer.max_inflight,
     }
     if gatherer is not None:
         out.update(units=sorted(u.numel for u in gatherer.units), prefetch_elements=gatherer.prefetch_elements,

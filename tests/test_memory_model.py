@@ -34,8 +34,11 @@ CASES = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16")]
 
 
 @pytest.fixture(scope="module")
-def measured() -> dict:
+def measured(tmp_path_factory) -> dict:
     configs = [memory_cases.config(stage, dtype) for stage, dtype in CASES]
+    swap = str(tmp_path_factory.mktemp("swap"))  # parameters and optimizer on NVMe: leaf units, one bucket in flight
+    configs.append(memory_cases.config(3, "fp32", offload_optimizer={"device": "nvme", "nvme_path": swap},
+                                       offload_param={"device": "nvme", "nvme_path": swap}))
     configs.append(memory_cases.config(3, "fp32", stage3_prefetch_bucket_size=1000))  # a smaller budget
     configs.append(memory_cases.config(2, "fp32", reduce_bucket_size=2000, allgather_bucket_size=3000))
     ranks = run_distributed(_many, WORLD, configs, env={"RAYZERO_SHM": "0"})
@@ -57,7 +60,8 @@ def test_model_states_equal_the_engines_tensors(measured, index):
 
 def test_buckets_are_the_engines(measured):
     """Derived bucket sizes (the config leaves them out) are the engine's, taken from the same rule; the
-    reduce buckets in flight are the engine's largest bucket, MAX_INFLIGHT + 1 times; stages 1-2 add two
+    reduce buckets in flight are the engine's largest bucket, max_inflight + 1 times (one in flight with
+    parameters on NVMe); stages 1-2 add two
     all-gather buckets.  Sizes written in the config are used as they are."""
     for index, c in enumerate(measured["configs"]):
         cfg = Config.from_any(c)
@@ -72,6 +76,8 @@ def test_buckets_are_the_engines(measured):
         publish = 2 * min(real["allgather_bucket_size"], total) * w if stage in (1, 2) else 0
         assert model.buckets == reduce + publish, c
     assert measured["ranks"][0][-1]["reduce_bucket_size"] == 2000  # the config's own
+    nvme = measured["ranks"][0][len(CASES)]
+    assert nvme["max_inflight"] == 1 and measured["ranks"][0][0]["max_inflight"] == 2
 
 
 def test_stage3_gathers_are_the_engines(measured):
@@ -87,7 +93,10 @@ def test_stage3_gathers_are_the_engines(measured):
         for per_rank in measured["ranks"]:
             real = per_rank[index]
             units = real["units"]
-            assert len(units) == 6 and units.count(max(units)) == 4  # inp, out and the four blocks
+            if cfg.zero_optimization.offload_param.device == "nvme":  # leaf units: inp, out, each up and down
+                assert len(units) == 10 and units.count(max(units)) == 4
+            else:
+                assert len(units) == 6 and units.count(max(units)) == 4  # inp, out and the four blocks
             assert model.gathered == (max(units) + max(real["prefetch_elements"], max(units))) * w, c
             assert 2 * max(units) * w <= real["gathered_peak"] <= model.gathered, (c, real["gathered_peak"])
     budget = measured["ranks"][0][-2]

@@ -14,7 +14,8 @@ Stage policies:
   boundary's backward reduce-scatters them into the gradient partition.  No traffic between boundaries.
 * stages 2 and 3: every backward reduce-scatters each bucket as soon as it is full, into the gradient
   partition, and frees the bucket: no full-size gradient outlives its bucket.  Freed bucket buffers go
-  back to a small pool (at most ``MAX_INFLIGHT + 1`` of them, the most a backward has alive at once) and
+  back to a small pool (at most ``max_inflight + 1`` of them, the most a backward has alive at once; one
+  bucket in flight with parameters on NVMe, two otherwise: :meth:`GradientReducer.inflight_for`) and
   are reused by the next bucket: a freshly allocated multi-megabyte buffer costs a page fault per 4 KiB
   on first touch, which on CPU made every stage-2 backward pay for zeroing new memory (about a third of
   the step on a small model).
@@ -130,6 +131,14 @@ class GradientReducer:
 
     MAX_INFLIGHT = 2
 
+    @classmethod
+    def inflight_for(cls, zero) -> int:
+        """Buckets a backward keeps reducing at once for ``zero`` (the config's ``zero_optimization``): one
+        with parameters on NVMe, else ``MAX_INFLIGHT``.  Each bucket in flight is a buffer of the largest
+        bucket's size (and the transport's receive buffers for it); with parameters on NVMe the backward
+        waits on the disk's reads between its units anyway, and holding less is what that config is for."""
+        return 1 if zero.offload_param.device == "nvme" else cls.MAX_INFLIGHT
+
     def __init__(
         self,
         partitions: Partitions,
@@ -139,8 +148,11 @@ class GradientReducer:
         data_parallel_size: int,
         on_param_reduced: Callable[[torch.nn.Parameter], None] | None = None,
         grad_pool: GradientPool | None = None,
+        max_inflight: int | None = None,
     ):
         self.partitions = partitions
+        # buckets reducing at once while backward goes on (:meth:`inflight_for`)
+        self.max_inflight = self.MAX_INFLIGHT if max_inflight is None else max_inflight
         self.stage = stage
         self.comm_dtype = comm_dtype
         self.dp = data_parallel_size
@@ -194,7 +206,7 @@ class GradientReducer:
             entry[1] = entry[1] + nbytes if self.stage == 1 else max(entry[1], nbytes)
         if self._bucket_dtype() != self.comm_dtype:  # the rows are converted before they travel: nothing to expose
             return {}
-        count = 1 if self.stage == 1 else self.MAX_INFLIGHT + 1
+        count = 1 if self.stage == 1 else self.max_inflight + 1
         return {key: comm.expose_region(nbytes * count) for key, (comm, nbytes) in need.items()}
 
     # ---- backward side -------------------------------------------------------------------------------
@@ -290,18 +302,18 @@ class GradientReducer:
         return torch.empty(numel, dtype=dtype, device=self.partitions.device)
 
     def _give(self, kind: str, t: torch.Tensor, read_until=None) -> None:
-        """Return a buffer from :meth:`_take` to the pool, keeping at most ``MAX_INFLIGHT + 1`` per kind;
+        """Return a buffer from :meth:`_take` to the pool, keeping at most ``max_inflight + 1`` per kind;
         ``read_until``: the event of a copy on another stream that still reads it."""
         base = t._base if t._base is not None else t
         free = self._pool.setdefault((kind, t.dtype), [])
         free.append(base)
         if read_until is not None:
             self._reuse_after[id(base)] = read_until
-        if len(free) > self.MAX_INFLIGHT + 1:  # keep the largest ones
+        if len(free) > self.max_inflight + 1:  # keep the largest ones
             free.sort(key=lambda x: x.numel(), reverse=True)
-            for dropped in free[self.MAX_INFLIGHT + 1 :]:
+            for dropped in free[self.max_inflight + 1 :]:
                 self._reuse_after.pop(id(dropped), None)
-            del free[self.MAX_INFLIGHT + 1 :]
+            del free[self.max_inflight + 1 :]
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets):
@@ -338,8 +350,8 @@ class GradientReducer:
         b.launched = True
         self._inflight.append(b)
         # Bound what is in flight, so bucket buffers (and the transport's receive buffers) are freed as
-        # backward goes on: at most MAX_INFLIGHT buckets' worth of gradient exists beyond the partitions.
-        while len(self._inflight) > self.MAX_INFLIGHT:
+        # backward goes on: at most max_inflight buckets' worth of gradient exists beyond the partitions.
+        while len(self._inflight) > self.max_inflight:
             self._settle(self._inflight.pop(0))
 
     def _settle(self, b: Bucket) -> None:

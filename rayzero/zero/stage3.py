@@ -4,8 +4,9 @@ Parameters are gathered per *unit* (``zero_optimization.stage3_gather_unit``): b
 repeated block (a module the user marked with :func:`mark_gather_unit`, else HF's ``_no_split_modules``,
 else the module class that repeats over most of the model: ``buckets.repeated_block``), so one
 transformer layer is one gather, and each module outside every block that directly owns partitioned
-parameters is a unit of its own (``"module"``: every such module is a unit, one leaf at a time).  A
-unit's parameters are gathered (all-gather of the ranks' shards, cast to the compute dtype on the way out)
+parameters is a unit of its own (``"module"``: every such module is a unit, one leaf at a time; with
+parameters on NVMe ``"auto"`` cuts leaf units too unless blocks are marked, :func:`auto_units_are_blocks`).
+A unit's parameters are gathered (all-gather of the ranks' shards, cast to the compute dtype on the way out)
 just before its forward and again just before its backward, and released right after.  A released
 parameter's ``data`` is an empty placeholder (any use outside its unit's forward fails loudly instead of
 reading freed memory).
@@ -21,8 +22,9 @@ then), so a stray use raises instead of reading a null pointer.
 
 While one unit runs, the gathers of the units after it are already in flight (forward order, recorded on
 the first forward, and its reverse in backward): as many units ahead as fit in ``stage3_prefetch_bucket_size``
-elements, and always the next one.  A unit gathered ahead that the pass then goes past without using (a
-forward that skipped it) is released as soon as the pass is beyond it.  The last units of a forward, as
+elements, and always the next one (with parameters on NVMe their shards' disk reads, and the next unit's,
+start before any of these gathers waits on one).  A unit gathered ahead that the pass then goes past
+without using (a forward that skipped it) is released as soon as the pass is beyond it.  The last units of a forward, as
 many as fit in the same budget, stay gathered for the backward that starts with them.  Parameters at or
 under ``stage3_param_persistence_threshold`` elements stay whole on every rank and are refreshed after
 each step like stage 1/2 weights.
@@ -62,15 +64,28 @@ def mark_gather_unit(*modules: torch.nn.Module) -> None:
         setattr(m, GATHER_UNIT_ATTR, True)
 
 
-def unit_modules(model: torch.nn.Module, rule, numel) -> list[torch.nn.Module]:
+def auto_units_are_blocks(zero) -> bool:
+    """Whether ``stage3_gather_unit: "auto"`` finds the model's repeated block for ``zero`` (the config's
+    ``zero_optimization``).  Not with parameters on NVMe: there each gather reads its unit's shards from the
+    disk, so the step waits on the disk however the units are cut, and what the rank holds at once (the
+    running unit and those gathered ahead) is the point of the config.  Leaf units hold a fraction of a
+    block's (bench/README.md, "Leaf units with parameters on NVMe"); modules the user marked still win."""
+    return zero.offload_param.device != "nvme"
+
+
+def unit_modules(model: torch.nn.Module, rule, numel, blocks: bool = True) -> list[torch.nn.Module]:
     """The modules whose whole subtree is one gather unit under ``rule`` (outermost first; see the module
-    docstring): ``"auto"``, ``"module"`` or class names separated by commas."""
+    docstring): ``"auto"``, ``"module"`` or class names separated by commas.  ``blocks`` False
+    (:func:`auto_units_are_blocks`): ``"auto"`` takes the marked modules only, else every module is a
+    unit of its own, as ``"module"``."""
     if rule == "module":
         return []
     if rule == "auto":
         marked = [m for m in model.modules() if getattr(m, GATHER_UNIT_ATTR, False)]
         if marked:
             return _outermost(model, lambda m: getattr(m, GATHER_UNIT_ATTR, False))
+        if not blocks:
+            return []
         from rayzero.zero.buckets import repeated_block
 
         block = repeated_block(model, numel, containers_only=True)
@@ -190,6 +205,7 @@ class ParamGatherer:
         accelerator=None,
         unit_rule="module",
         prefetch_elements: int | None = None,
+        auto_blocks: bool = True,
     ):
         self.partitions = partitions
         self.compute_dtype = compute_dtype
@@ -220,7 +236,7 @@ class ParamGatherer:
         self.units: list[Unit] = []
         units_of: dict[torch.nn.Parameter, int] = {}
         blocks = unit_modules(module, unit_rule, lambda p: partitions.entry_of[p].numel
-                              if p in partitions.entry_of else p.numel())
+                              if p in partitions.entry_of else p.numel(), auto_blocks)
         in_block = {id(sub) for b in blocks for sub in b.modules()}
         owners = [(b, b.parameters()) for b in blocks]
         owners += [(m, m._parameters.values()) for m in module.modules() if id(m) not in in_block]
@@ -385,14 +401,25 @@ class ParamGatherer:
         self._complete(unit)
 
     def _prefetch(self, index: int, direction: int) -> None:
-        ahead, count, i = 0, 0, index + direction
+        window: list[Unit] = []
+        ahead, i = 0, index + direction
         while 0 <= i < len(self.order):
             u = self.order[i]
-            if count and ahead + u.numel > self.prefetch_elements:
+            if window and ahead + u.numel > self.prefetch_elements:
                 break
+            window.append(u)
+            ahead, i = ahead + u.numel, i + direction
+        # parameter offload: the disk reads of the window's units, and of the unit after it, start before any
+        # launch waits on one, so a unit's shards are read while the units before it run (the read pool's
+        # buffers bound how many are in flight; nothing else reads anything)
+        if self.partitions.param_swap is not None:
+            beyond = [self.order[i]] if 0 <= i < len(self.order) else []
+            self.partitions.prefetch_weights([self.partitions.entry_of[p] for u in window + beyond
+                                              if id(u) not in self.inflight
+                                              for p in u.params if p not in self.gathered])
+        for u in window:
             if self._launch(u):
                 self.ahead[id(u)] = u
-            ahead, count, i = ahead + u.numel, count + 1, i + direction
         self.max_ahead = max(self.max_ahead, len(self.ahead))
 
     def _drop_passed(self, index: int, direction: int) -> None:
