@@ -282,3 +282,47 @@ def test_parameters_on_nvme_are_read_before_their_gather(tmp_path):
     # the first units of each pass are read on the spot (nothing ran before them to read them under);
     # 36 of 52 here, and none before the reads went ahead of the launches
     assert len(ahead) >= 2 * 2 * 10 and sum(ahead) >= 0.6 * len(ahead), (sum(ahead), len(ahead))
+
+
+@pytest.mark.parametrize("where", ["module", "nvme"])
+def test_a_recomputed_block_does_not_gather_its_leaves_again(tmp_path, where):
+    """Leaf units under activation checkpointing (``"module"``, or ``"auto"`` with parameters on NVMe): the
+    recompute of a block inside backward neither gathers ahead in forward order (those units' backward is
+    over) nor releases a leaf whose backward comes next, so backward gathers each unit once, as without
+    checkpointing, and nothing gathered is left unused; the numbers are the same."""
+    swap = str(tmp_path / "swap")
+    zero = ({"stage3_gather_unit": "module"} if where == "module" else
+            {"offload_param": {"device": "nvme", "nvme_path": swap}})
+    out = {}
+    for ckpt in (False, True):
+        model = make_net()
+        cfg = config(**zero)
+        if ckpt:
+            cfg["activation_checkpointing"] = {}
+        engine = rayzero.initialize(model, cfg)
+        g = engine.gatherer
+        launch, launches = g._launch, {"forward": 0, "backward": 0}
+
+        def counted(unit, launch=launch, launches=launches):
+            ok = launch(unit)
+            if ok:
+                launches["backward" if torch._C._current_graph_task_id() != -1 else "forward"] += 1
+            return ok
+
+        g._launch = counted
+        losses = []
+        for step, (x, y) in enumerate(data()[:3]):
+            if step == 2:  # from the third step on, the recorded order and the prefetch are in place
+                launches.update(forward=0, backward=0)
+                unused = g.unused_prefetches
+            loss = F.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        assert len(g.units) == 10  # embed, head, and each block's up and down
+        out[ckpt] = dict(launches, unused=g.unused_prefetches - unused, losses=losses)
+        engine.destroy()
+    plain, ckpt = out[False], out[True]
+    assert ckpt["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    assert ckpt["forward"] == plain["forward"] == 10
+    assert ckpt["backward"] == plain["backward"] and ckpt["unused"] == plain["unused"] == 0, (plain, ckpt)

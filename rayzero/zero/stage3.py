@@ -24,8 +24,10 @@ While one unit runs, the gathers of the units after it are already in flight (fo
 the first forward, and its reverse in backward): as many units ahead as fit in ``stage3_prefetch_bucket_size``
 elements, and always the next one (with parameters on NVMe their shards' disk reads, and the next unit's,
 start before any of these gathers waits on one).  A unit gathered ahead that the pass then goes past
-without using (a forward that skipped it) is released as soon as the pass is beyond it.  The last units of a forward, as
-many as fit in the same budget, stay gathered for the backward that starts with them.  Parameters at or
+without using (a forward that skipped it) is released as soon as the pass is beyond it.  The last units
+of a forward, as many as fit in the same budget, stay gathered for the backward that starts with them; a
+unit run again inside backward (a checkpointed block's recompute, where units are smaller than the block)
+gathers nothing ahead and stays gathered for its own backward, which follows at once.  Parameters at or
 under ``stage3_param_persistence_threshold`` elements stay whole on every rank and are refreshed after
 each step like stage 1/2 weights.
 
@@ -54,6 +56,11 @@ GATHER_UNIT_ATTR = "_rayzero_gather_unit"
 # a parameter of at least this many (padded) elements is gathered on its own, straight into its storage;
 # smaller ones of a unit share one packed gather (one collective's latency for all of them)
 DIRECT_GATHER_NUMEL = 1 << 18
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpointed block's recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def mark_gather_unit(*modules: torch.nn.Module) -> None:
@@ -466,15 +473,20 @@ class ParamGatherer:
             if self.recording and torch.is_grad_enabled() and unit.index < 0:
                 unit.index = len(self.order)
                 self.order.append(unit)
-            self.gather(unit, +1)
+            # inside backward this is a checkpointed block's forward run again (activation_checkpointing.py):
+            # the units after this one in forward order have had their backward already, so nothing is
+            # gathered ahead of it (backward's own gathers have fetched the block's units)
+            self.gather(unit, 0 if _in_backward() else +1)
 
         return hook
 
     def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
             # the last units of a forward are the first of its backward: those within the prefetch budget
-            # stay gathered for it instead of being released and gathered again at once
-            if not (torch.is_grad_enabled() and id(unit) in self.kept_for_backward):
+            # stay gathered for it instead of being released and gathered again at once; so does a unit
+            # run again inside backward, whose own backward comes next (its parameters are released as
+            # their gradients are reduced, on_param_reduced)
+            if not (torch.is_grad_enabled() and (id(unit) in self.kept_for_backward or _in_backward())):
                 self.release(unit.params)
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
